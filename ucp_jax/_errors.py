@@ -1,0 +1,71 @@
+"""The error hierarchy: one base class, one subclass per kind of bad input.
+
+Every subclass is also the builtin exception a caller would expect
+(`FileNotFoundError`, `ValueError`, ...), so `except ValueError` keeps working.
+"""
+
+from __future__ import annotations
+
+
+class UcpError(Exception):
+  """Base class of every error ucp_jax raises on purpose."""
+
+
+class CheckpointNotFoundError(UcpError, FileNotFoundError):
+  """No committed checkpoint at the path (missing, or a save that never finished)."""
+
+
+class CheckpointExistsError(UcpError, FileExistsError):
+  """Saving over an existing checkpoint without `overwrite=True`."""
+
+
+class ConcurrentWriteError(UcpError, RuntimeError):
+  """Another writer holds the path."""
+
+
+class ManifestError(UcpError, ValueError):
+  """The manifest is truncated, foreign, or of an unknown format version."""
+
+
+class CorruptCheckpointError(UcpError, ValueError):
+  """Stored data fails its checksum or disagrees with the manifest."""
+
+
+class TreeMismatchError(UcpError, ValueError):
+  """The keys of the target tree and of the checkpoint differ."""
+
+
+class ShapeMismatchError(UcpError, ValueError):
+  """An array's shape in the target differs from the stored one."""
+
+
+class DtypeMismatchError(UcpError, TypeError):
+  """An array's dtype in the target differs from the stored one and no cast was asked for."""
+
+
+class ShardingError(UcpError, ValueError):
+  """A sharding that does not fit the array it is meant for."""
+
+
+class UnsupportedLeafError(UcpError, TypeError):
+  """A pytree leaf that ucp_jax cannot store."""
+
+
+class SourceFormatError(UcpError, ValueError):
+  """A foreign checkpoint (torch, DeepSpeed, ...) that cannot be read as what it claims to be."""
+
+
+class UnsafePickleError(SourceFormatError):
+  """A pickle that asks for something the safe reader refuses to do."""
+
+
+class MappingError(UcpError, ValueError):
+  """Names or layouts that a mapping cannot carry between a checkpoint and a target."""
+
+
+def bullet_list(lines: list[str], limit: int = 50) -> str:
+  """Formats offending items one per line, eliding past `limit` so messages stay readable."""
+  shown = [f"  {line}" for line in lines[:limit]]
+  if len(lines) > limit:
+    shown.append(f"  ... and {len(lines) - limit} more")
+  return "\n".join(shown)
