@@ -1,0 +1,54 @@
+"""ucp_jax: Universal Checkpointing for JAX.
+
+A checkpoint holds logical, unsharded arrays by name (zarr v3 through
+TensorStore, plus a manifest), never the layout that wrote them: save from any
+mesh, restore onto any other, and convert PyTorch/DeepSpeed checkpoints in and out.
+"""
+
+from ucp_jax._errors import CheckpointExistsError as CheckpointExistsError
+from ucp_jax._errors import CheckpointNotFoundError as CheckpointNotFoundError
+from ucp_jax._errors import ConcurrentWriteError as ConcurrentWriteError
+from ucp_jax._errors import CorruptCheckpointError as CorruptCheckpointError
+from ucp_jax._errors import DtypeMismatchError as DtypeMismatchError
+from ucp_jax._errors import ManifestError as ManifestError
+from ucp_jax._errors import MappingError as MappingError
+from ucp_jax._errors import ShapeMismatchError as ShapeMismatchError
+from ucp_jax._errors import ShardingError as ShardingError
+from ucp_jax._errors import SourceFormatError as SourceFormatError
+from ucp_jax._errors import TreeMismatchError as TreeMismatchError
+from ucp_jax._errors import UcpError as UcpError
+from ucp_jax._errors import UnsafePickleError as UnsafePickleError
+from ucp_jax._errors import UnsupportedLeafError as UnsupportedLeafError
+from ucp_jax._manifest import ArrayInfo as ArrayInfo
+from ucp_jax._manifest import Manifest as Manifest
+from ucp_jax._reader import Checkpoint as Checkpoint
+from ucp_jax._reader import open as open
+from ucp_jax._reshard import reshard as reshard
+from ucp_jax._restore import restore as restore
+from ucp_jax._save import save as save
+
+__version__ = "0.1.0"
+
+__all__ = [
+  "ArrayInfo",
+  "Checkpoint",
+  "CheckpointExistsError",
+  "CheckpointNotFoundError",
+  "ConcurrentWriteError",
+  "CorruptCheckpointError",
+  "DtypeMismatchError",
+  "Manifest",
+  "ManifestError",
+  "MappingError",
+  "ShapeMismatchError",
+  "ShardingError",
+  "SourceFormatError",
+  "TreeMismatchError",
+  "UcpError",
+  "UnsafePickleError",
+  "UnsupportedLeafError",
+  "open",
+  "reshard",
+  "restore",
+  "save",
+]

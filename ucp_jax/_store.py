@@ -1,0 +1,169 @@
+"""The store layer: where a checkpoint lives and how one logical array is laid out.
+
+Each logical array is a zarr v3 array at its key path below the checkpoint root,
+with crc32c-checked chunks and optional zstd compression. Everything goes
+through TensorStore, so local directories and kvstore URLs (`file://`,
+`memory://`, `gs://`, `s3://`) are handled alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Sequence
+
+import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with numpy)
+import numpy as np
+import tensorstore as ts
+
+CHUNK_BYTES = 4 << 20
+"""Largest chunk written: small enough that a restore onto another mesh reads little extra."""
+
+_URL_SCHEMES = ("file://", "memory://", "gs://", "s3://", "gcs://")
+
+# One context for the whole process: `memory://` checkpoints live as long as it does,
+# and every open shares its cache and concurrency limits. Chunk files are not fsynced
+# one by one; a save commits by renaming its directory, so a crashed process never
+# leaves a readable partial checkpoint.
+CONTEXT = ts.Context(
+  {
+    "file_io_sync": False,
+    "file_io_concurrency": {"limit": max(8, 2 * (os.cpu_count() or 1))},
+    "cache_pool": {"total_bytes_limit": 0},
+  }
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Location:
+  """A checkpoint root: a TensorStore kvstore URL ending in `/`.
+
+  `local_dir` is set when the root is a local directory, which makes an atomic
+  commit by rename possible.
+  """
+
+  url: str
+  local_dir: str | None = None
+
+  def child(self, key: str) -> Location:
+    local = os.path.join(self.local_dir, key) if self.local_dir is not None else None
+    return Location(self.url + key.strip("/") + "/", local)
+
+  def __str__(self) -> str:
+    return self.local_dir if self.local_dir is not None else self.url.rstrip("/")
+
+
+def resolve(path: str | os.PathLike | Location) -> Location:
+  """Parses a user-given path: a local directory or a kvstore URL."""
+  if isinstance(path, Location):
+    return path
+  text = os.fspath(path)
+  if text.startswith("file://"):
+    text = text[len("file://") :]
+  elif text.startswith(_URL_SCHEMES):
+    if text.startswith("gcs://"):
+      text = "gs://" + text[len("gcs://") :]
+    return Location(text.rstrip("/") + "/")
+  elif "://" in text:
+    raise ValueError(f"{text}: unsupported URL scheme; use a local path or one of {_URL_SCHEMES}")
+  local = os.path.abspath(os.path.expanduser(text))
+  return Location("file://" + local.rstrip("/") + "/", local)
+
+
+def kvstore(location: Location) -> ts.KvStore:
+  return ts.KvStore.open(location.url, context=CONTEXT).result()
+
+
+def zarr_dtype(dtype: np.dtype) -> str:
+  """The zarr v3 data type name of a numpy dtype (bfloat16, float8_e4m3fn, ... included)."""
+  name = np.dtype(dtype).name
+  ts.dtype(name)  # raises for dtypes TensorStore cannot store
+  return name
+
+
+def choose_chunks(
+  shape: Sequence[int], shard_shape: Sequence[int], itemsize: int, limit: int = CHUNK_BYTES
+) -> tuple[int, ...]:
+  """Chunk shape aligned to the save-time shards, split further while larger than `limit`.
+
+  A sharded dimension is only ever split by a divisor of its shard extent, so no chunk
+  straddles two shards and writers on different hosts never share a chunk. An
+  unsharded dimension may be split anywhere. The largest extent is split first,
+  which keeps chunks squarish: cheap to read for a restore sharded another way.
+  """
+  chunk = [max(1, s) for s in shard_shape]
+  sharded = [s < full for s, full in zip(shard_shape, shape)]
+  while math.prod(chunk) * itemsize > limit:
+    order = sorted(range(len(chunk)), key=lambda i: -chunk[i])
+    for i in order:
+      if not sharded[i] and chunk[i] > 1:
+        chunk[i] = -(-chunk[i] // 2)
+        break
+      factor = _smallest_factor(chunk[i])
+      if sharded[i] and factor < chunk[i]:  # keep a prime-sized shard whole
+        chunk[i] //= factor
+        break
+    else:
+      break
+  return tuple(chunk)
+
+
+def _smallest_factor(n: int) -> int:
+  for f in range(2, math.isqrt(n) + 1):
+    if n % f == 0:
+      return f
+  return n
+
+
+def array_spec(
+  location: Location,
+  key: str,
+  *,
+  shape: Sequence[int],
+  dtype: np.dtype,
+  chunks: Sequence[int],
+  compression: str | None = None,
+) -> dict:
+  """A TensorStore spec that creates the zarr v3 array for `key`."""
+  codecs: list[dict] = [{"name": "bytes", "configuration": {"endian": "little"}}]
+  if compression == "zstd":
+    codecs.append({"name": "zstd", "configuration": {"level": 3}})
+  elif compression is not None:
+    raise ValueError(f"compression must be None or 'zstd', got {compression!r}")
+  codecs.append({"name": "crc32c"})
+  return {
+    "driver": "zarr3",
+    "kvstore": location.url + key + "/",
+    "metadata": {
+      "shape": list(shape),
+      "data_type": zarr_dtype(dtype),
+      "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunks)}},
+      "chunk_key_encoding": {"name": "default"},
+      "codecs": codecs,
+      "fill_value": _fill_value(dtype),
+    },
+    "create": True,
+    "delete_existing": True,
+  }
+
+
+def _fill_value(dtype: np.dtype):
+  kind = np.dtype(dtype).kind
+  if kind == "b":
+    return False
+  if kind == "c":
+    return [0.0, 0.0]
+  return 0 if kind in "iu" else 0.0
+
+
+def create_array(spec: dict) -> ts.Future:
+  return ts.open(spec, context=CONTEXT)
+
+
+def open_array(location: Location, key: str) -> ts.Future:
+  """Opens the stored array `key` for reading (and writing into, by a save in progress)."""
+  return ts.open(
+    {"driver": "zarr3", "kvstore": location.url + key + "/", "recheck_cached_data": False},
+    context=CONTEXT,
+  )
