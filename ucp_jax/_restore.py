@@ -257,7 +257,7 @@ class _Reads:
     return out, ts.array(out, copy=False, write=True).write(view).commit
 
   def _finish(self, item, pieces: dict[str, dict]) -> int:
-    want, index, devices, nbytes, host, future = item
+    want, _, devices, nbytes, host, future = item
     _reader.wait_read(self._ckpt.location, want.key, future)
     if want.dtype is not None and not want.prng and host.dtype != want.dtype:
       host = host.astype(want.dtype)
