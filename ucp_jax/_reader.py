@@ -74,6 +74,19 @@ class Checkpoint:
     store = self.tensorstore(key)
     return read_region(self.location, key, store[index] if index != () else store)
 
+  def verify(self, on_array=None) -> dict[str, str]:
+    """Reads every chunk back; returns the problems found by key (empty if sound).
+
+    Example:
+      >>> import numpy as np, ucp_jax
+      >>> _ = ucp_jax.save("/tmp/ucp_doc_verify", {"x": np.ones(3)}, overwrite=True)
+      >>> ucp_jax.open("/tmp/ucp_doc_verify").verify()
+      {}
+    """
+    from ucp_jax import _verify
+
+    return _verify.verify(self, on_array)
+
   def __repr__(self) -> str:
     return (
       f"Checkpoint({str(self.location)!r}, step={self.step}, arrays={len(self.manifest.arrays)}, "

@@ -145,6 +145,7 @@ def array_spec(
     },
     "create": True,
     "delete_existing": True,
+    "store_data_equal_to_fill_value": True,  # every chunk exists, so `verify` can count them
   }
 
 
@@ -164,6 +165,11 @@ def create_array(spec: dict) -> ts.Future:
 def open_array(location: Location, key: str) -> ts.Future:
   """Opens the stored array `key` for reading (and writing into, by a save in progress)."""
   return ts.open(
-    {"driver": "zarr3", "kvstore": location.url + key + "/", "recheck_cached_data": False},
+    {
+      "driver": "zarr3",
+      "kvstore": location.url + key + "/",
+      "recheck_cached_data": False,
+      "store_data_equal_to_fill_value": True,
+    },
     context=CONTEXT,
   )
