@@ -88,8 +88,13 @@ def _host_copy_pays(flat: dict[str, Any]) -> bool:
 
 
 def _host_reshard(x: jax.Array, target: jax.sharding.Sharding) -> jax.Array:
-  if x.sharding.is_equivalent_to(target, x.ndim):
+  if x.sharding == target:
     return x
+  if x.sharding.is_equivalent_to(target, x.ndim):  # same data per device: relabel only
+    by_device = {s.device: s.data for s in x.addressable_shards}
+    return jax.make_array_from_single_device_arrays(
+      x.shape, target, [by_device[d] for d in target.addressable_devices]
+    )
   if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
     return jax.device_put(x, target)
   shape = tuple(x.shape)

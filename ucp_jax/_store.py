@@ -9,6 +9,8 @@ through TensorStore, so local directories and kvstore URLs (`file://`,
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import math
 import os
 from collections.abc import Sequence
@@ -46,12 +48,25 @@ class Location:
   url: str
   local_dir: str | None = None
 
-  def child(self, key: str) -> Location:
-    local = os.path.join(self.local_dir, key) if self.local_dir is not None else None
-    return Location(self.url + key.strip("/") + "/", local)
+  def kvstore_spec(self, key: str = "") -> dict:
+    """The JSON kvstore spec of `key` below the root (keys are never URL-decoded)."""
+    if self.local_dir is not None:
+      base = {"driver": "file", "path": self.local_dir.rstrip("/") + "/"}
+    else:
+      base = _url_spec(self.url)
+    return {**base, "path": base.get("path", "") + (key.strip("/") + "/" if key else "")}
 
   def __str__(self) -> str:
     return self.local_dir if self.local_dir is not None else self.url.rstrip("/")
+
+
+@functools.lru_cache(maxsize=64)
+def _url_spec_cached(url: str) -> str:
+  return json.dumps(ts.KvStore.Spec(url).to_json())
+
+
+def _url_spec(url: str) -> dict:
+  return json.loads(_url_spec_cached(url))
 
 
 def resolve(path: str | os.PathLike | Location) -> Location:
@@ -72,7 +87,7 @@ def resolve(path: str | os.PathLike | Location) -> Location:
 
 
 def kvstore(location: Location) -> ts.KvStore:
-  return ts.KvStore.open(location.url, context=CONTEXT).result()
+  return ts.KvStore.open(location.kvstore_spec(), context=CONTEXT).result()
 
 
 def zarr_dtype(dtype: np.dtype) -> str:
@@ -134,7 +149,7 @@ def array_spec(
   codecs.append({"name": "crc32c"})
   return {
     "driver": "zarr3",
-    "kvstore": location.url + key + "/",
+    "kvstore": location.kvstore_spec(key),
     "metadata": {
       "shape": list(shape),
       "data_type": zarr_dtype(dtype),
@@ -167,7 +182,7 @@ def open_array(location: Location, key: str) -> ts.Future:
   return ts.open(
     {
       "driver": "zarr3",
-      "kvstore": location.url + key + "/",
+      "kvstore": location.kvstore_spec(key),
       "recheck_cached_data": False,
       "store_data_equal_to_fill_value": True,
     },

@@ -1,0 +1,327 @@
+"""Round trips of `save` / `restore` / `open` across meshes, specs and dtypes on 8 CPU devices."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ucp_jax
+
+
+def _mesh(shape, names, devices=None):
+  return jax.make_mesh(shape, names, devices=devices)
+
+
+MESHES = {
+  "8": lambda: _mesh((8,), ("x",)),
+  "2x4": lambda: _mesh((2, 4), ("x", "y")),
+  "4x2": lambda: _mesh((4, 2), ("x", "y")),
+  "1x8": lambda: _mesh((1, 8), ("x", "y")),
+  "sub4": lambda: _mesh((4,), ("x",), devices=jax.devices()[4:]),
+}
+SPECS = {
+  "8": [P("x"), P(None, "x"), P()],
+  "2x4": [P("x", "y"), P("y", "x"), P(("x", "y")), P(None, "y"), P()],
+  "4x2": [P("x", "y"), P("y"), P()],
+  "1x8": [P("x", "y"), P(None, ("x", "y"))],
+  "sub4": [P("x"), P(None, "x"), P()],
+}
+LAYOUTS = [(m, s) for m, specs in SPECS.items() for s in specs]
+
+
+def _layout_id(layout):
+  return f"{layout[0]}-{layout[1]}"
+
+
+def _data(shape=(16, 24), dtype=np.float32, seed=0):
+  rng = np.random.default_rng(seed)
+  return rng.standard_normal(shape).astype(dtype)
+
+
+@pytest.mark.parametrize("src", LAYOUTS, ids=_layout_id)
+def test_save_from_any_layout_restore_onto_8_way(tmp_path, src):
+  data = _data()
+  x = jax.device_put(data, NamedSharding(MESHES[src[0]](), src[1]))
+  ucp_jax.save(tmp_path / "ckpt", {"w": x}, step=7)
+  target = jax.ShapeDtypeStruct(
+    data.shape, data.dtype, sharding=NamedSharding(MESHES["8"](), P("x"))
+  )
+  out = ucp_jax.restore(tmp_path / "ckpt", {"w": target})["w"]
+  np.testing.assert_array_equal(np.asarray(out), data)
+  assert out.sharding == target.sharding
+
+
+@pytest.mark.parametrize("dst", LAYOUTS, ids=_layout_id)
+def test_restore_onto_any_layout(tmp_path, dst):
+  data = _data(seed=1)
+  x = jax.device_put(data, NamedSharding(MESHES["2x4"](), P("x", "y")))
+  ucp_jax.save(tmp_path / "ckpt", {"w": x})
+  sharding = NamedSharding(MESHES[dst[0]](), dst[1])
+  out = ucp_jax.restore(
+    tmp_path / "ckpt", {"w": jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding)}
+  )["w"]
+  assert out.sharding == sharding
+  for shard in out.addressable_shards:
+    np.testing.assert_array_equal(np.asarray(shard.data), data[shard.index])
+
+
+JAX_DTYPES = [
+  np.float32,
+  ml_dtypes.bfloat16,
+  np.float16,
+  np.int8,
+  np.int32,
+  np.uint32,
+  np.bool_,
+  np.uint8,
+  np.complex64,
+  ml_dtypes.float8_e4m3fn,
+]
+NUMPY_ONLY_DTYPES = [
+  np.float64,
+  np.int64,
+  np.uint64,
+  np.complex128,
+]  # jax without x64 narrows these
+
+
+@pytest.mark.parametrize("dtype", JAX_DTYPES + NUMPY_ONLY_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_dtypes_round_trip(tmp_path, dtype):
+  rng = np.random.default_rng(2)
+  data = (rng.standard_normal((8, 6)) * 50).astype(dtype)
+  sharding = NamedSharding(MESHES["8"](), P("x"))
+  on_jax = dtype in JAX_DTYPES
+  tree = {"np": data, **({"jax": jax.device_put(data, sharding)} if on_jax else {})}
+  ucp_jax.save(tmp_path / "c", tree)
+  target = {"np": np.zeros_like(data)}
+  if on_jax:
+    target["jax"] = jax.ShapeDtypeStruct(data.shape, dtype, sharding=sharding)
+  out = ucp_jax.restore(tmp_path / "c", target)
+  for key in target:
+    assert out[key].dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(np.asarray(out[key]), data)
+    assert ucp_jax.open(tmp_path / "c")[key].dtype == np.dtype(dtype).name
+
+
+def test_scalars_zero_d_empty_and_prng_keys(tmp_path):
+  mesh = MESHES["2x4"]()
+  keys = jax.random.split(jax.random.key(42), 8)
+  tree = {
+    "ints": 3,
+    "float": 2.5,
+    "flag": True,
+    "complex": 1 + 2j,
+    "np_scalar": np.float32(1.25),
+    "zero_d": jnp.asarray(7, jnp.int32),
+    "empty": jnp.zeros((0, 4)),
+    "empty_np": np.zeros((3, 0), np.int8),
+    "key": jax.random.key(0),
+    "keys": jax.device_put(keys, NamedSharding(mesh, P("x"))),
+    "rbg": jax.random.key(5, impl="rbg"),
+  }
+  ucp_jax.save(tmp_path / "c", tree, step=1)
+  target = {
+    "ints": 0,
+    "float": 0.0,
+    "flag": False,
+    "complex": 0j,
+    "np_scalar": np.float32(0),
+    "zero_d": jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())),
+    "empty": jax.ShapeDtypeStruct((0, 4), jnp.float32, sharding=NamedSharding(mesh, P())),
+    "empty_np": np.zeros((3, 0), np.int8),
+    "key": jax.random.key(1),
+    "keys": jax.ShapeDtypeStruct((8,), keys.dtype, sharding=NamedSharding(mesh, P(("x", "y")))),
+    "rbg": jax.random.key(0, impl="rbg"),
+  }
+  out = ucp_jax.restore(tmp_path / "c", target)
+  assert out["ints"] == 3 and type(out["ints"]) is int
+  assert out["float"] == 2.5 and type(out["float"]) is float
+  assert out["flag"] is True
+  assert out["complex"] == 1 + 2j
+  assert out["np_scalar"] == np.float32(1.25)
+  assert int(out["zero_d"]) == 7
+  assert out["empty"].shape == (0, 4) and out["empty_np"].shape == (3, 0)
+  np.testing.assert_array_equal(jax.random.key_data(out["key"]), jax.random.key_data(tree["key"]))
+  np.testing.assert_array_equal(jax.random.key_data(out["keys"]), jax.random.key_data(keys))
+  assert out["keys"].sharding.spec == P(("x", "y"))
+  assert str(jax.random.key_impl(out["rbg"])) == "rbg"
+  np.testing.assert_array_equal(jax.random.uniform(out["key"]), jax.random.uniform(tree["key"]))
+
+
+def test_restore_without_target_gives_nested_numpy(tmp_path):
+  tree = {
+    "params": {"layers": [{"w": np.ones((2, 2))}, {"w": np.zeros((2, 2))}], "b": np.arange(3)},
+    "step": 4,
+  }
+  ucp_jax.save(tmp_path / "c", tree)
+  out = ucp_jax.restore(tmp_path / "c")
+  assert out["step"] == 4
+  np.testing.assert_array_equal(out["params"]["layers"][0]["w"], np.ones((2, 2)))
+  np.testing.assert_array_equal(out["params"]["b"], np.arange(3))
+  sub = ucp_jax.restore(tmp_path / "c", subtree="params/layers")
+  assert isinstance(sub, list) and len(sub) == 2
+
+
+def test_partial_restore_subtree_and_subset(tmp_path):
+  sharding = NamedSharding(MESHES["8"](), P("x"))
+  tree = {"params": {"a": jnp.arange(8.0), "b": jnp.ones(8)}, "opt": {"mu": jnp.zeros(8)}}
+  ucp_jax.save(tmp_path / "c", tree)
+  spec = jax.ShapeDtypeStruct((8,), jnp.float32, sharding=sharding)
+  params = ucp_jax.restore(tmp_path / "c", {"a": spec, "b": spec}, subtree="params")
+  np.testing.assert_array_equal(np.asarray(params["a"]), np.arange(8.0))
+  only_a = ucp_jax.restore(tmp_path / "c", {"params": {"a": spec}}, partial=True)
+  assert list(only_a["params"]) == ["a"]
+
+
+def test_cast_only_when_asked(tmp_path):
+  ucp_jax.save(tmp_path / "c", {"w": np.arange(6, dtype=np.float32)})
+  sharding = NamedSharding(MESHES["8"](), P())
+  target = {"w": jax.ShapeDtypeStruct((6,), jnp.bfloat16, sharding=sharding)}
+  with pytest.raises(ucp_jax.DtypeMismatchError):
+    ucp_jax.restore(tmp_path / "c", target)
+  out = ucp_jax.restore(tmp_path / "c", target, cast=True)
+  assert out["w"].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(out["w"], np.float32), np.arange(6))
+
+
+def test_target_of_arrays_and_bare_shardings(tmp_path):
+  data = _data((8, 8))
+  ucp_jax.save(tmp_path / "c", {"a": data, "b": data * 2})
+  s1 = NamedSharding(MESHES["4x2"](), P("x", "y"))
+  like = jax.device_put(np.zeros_like(data), s1)
+  out = ucp_jax.restore(
+    tmp_path / "c", {"a": like, "b": NamedSharding(MESHES["8"](), P(None, "x"))}
+  )
+  assert out["a"].sharding == s1
+  np.testing.assert_array_equal(np.asarray(out["b"]), data * 2)
+
+
+def test_slice_shared_by_devices_is_read_once(tmp_path, monkeypatch):
+  from ucp_jax import _restore
+
+  data = _data((8, 8))
+  ucp_jax.save(tmp_path / "c", {"w": data})
+  reads = []
+  original = _restore._Reads._read
+
+  def counting(self, key, index):
+    reads.append(tuple((s.start, s.stop) for s in index))
+    return original(self, key, index)
+
+  monkeypatch.setattr(_restore._Reads, "_read", counting)
+  # 2x4 mesh, sharded over "x" only: 4 devices share each half.
+  sharding = NamedSharding(MESHES["2x4"](), P("x"))
+  out = ucp_jax.restore(
+    tmp_path / "c", {"w": jax.ShapeDtypeStruct((8, 8), np.float32, sharding=sharding)}
+  )
+  assert sorted(reads) == [((0, 4), (0, 8)), ((4, 8), (0, 8))]
+  np.testing.assert_array_equal(np.asarray(out["w"]), data)
+
+
+def test_tiny_host_budget_still_restores(tmp_path):
+  data = _data((64, 32))
+  sharding = NamedSharding(MESHES["8"](), P("x"))
+  ucp_jax.save(tmp_path / "c", {"w": jax.device_put(data, sharding)}, max_host_bytes=1)
+  out = ucp_jax.restore(
+    tmp_path / "c",
+    {"w": jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding)},
+    max_host_bytes=1,
+  )
+  np.testing.assert_array_equal(np.asarray(out["w"]), data)
+
+
+def test_overwrite_replaces_atomically(tmp_path):
+  ucp_jax.save(tmp_path / "c", {"w": np.zeros(3)}, step=1)
+  ucp_jax.save(tmp_path / "c", {"v": np.ones(2)}, step=2, overwrite=True)
+  ckpt = ucp_jax.open(tmp_path / "c")
+  assert ckpt.step == 2 and ckpt.keys() == ["v"]
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]  # no staging, lock or old copy left
+
+
+def test_memory_kvstore_and_compression(tmp_path):
+  data = _data((32, 32))
+  url = "memory://ucp_test_memory/ckpt"
+  ucp_jax.save(url, {"w": data}, compression="zstd", metadata={"run": "a"})
+  ckpt = ucp_jax.open(url)
+  assert ckpt.metadata == {"run": "a"}
+  np.testing.assert_array_equal(ckpt.read("w"), data)
+  with pytest.raises(ucp_jax.CheckpointExistsError):
+    ucp_jax.save(url, {"w": data})
+  ucp_jax.save(url, {"w": data + 1}, overwrite=True)
+  np.testing.assert_array_equal(ucp_jax.restore(url)["w"], data + 1)
+
+
+def test_zarr_layout_is_plain_zarr_v3(tmp_path):
+  import json
+
+  import tensorstore as ts
+
+  data = _data((16, 8))
+  sharding = NamedSharding(MESHES["8"](), P("x"))
+  ucp_jax.save(tmp_path / "c", {"params": {"dense": {"kernel": jax.device_put(data, sharding)}}})
+  meta = json.loads((tmp_path / "c/params/dense/kernel/zarr.json").read_text())
+  assert meta["node_type"] == "array" and meta["chunk_grid"]["configuration"]["chunk_shape"] == [
+    2,
+    8,
+  ]
+  assert [c["name"] for c in meta["codecs"]] == ["bytes", "crc32c"]
+  assert json.loads((tmp_path / "c/params/zarr.json").read_text())["node_type"] == "group"
+  plain = ts.open(
+    {"driver": "zarr3", "kvstore": f"file://{tmp_path}/c/params/dense/kernel"}
+  ).result()
+  np.testing.assert_array_equal(plain.read().result(), data)
+
+
+def test_keys_with_odd_characters(tmp_path):
+  tree = {
+    "a/b": np.ones(1),
+    "": np.zeros(1),
+    "..": np.full(1, 2.0),
+    "__x": np.full(1, 3.0),
+    "é z": np.full(1, 4.0),
+  }
+  ucp_jax.save(tmp_path / "c", tree)
+  out = ucp_jax.restore(tmp_path / "c", {k: np.zeros(1) for k in tree})
+  for k, v in tree.items():
+    np.testing.assert_array_equal(out[k], v)
+
+
+def test_nnx_state_and_optimizer_round_trip(tmp_path):
+  import optax
+  from flax import nnx
+
+  model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+  opt = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+  state = {"model": nnx.state(model), "opt": nnx.state(opt)}
+  ucp_jax.save(tmp_path / "c", state)
+  assert "model/kernel" in ucp_jax.open(tmp_path / "c").keys()
+  fresh = nnx.Linear(4, 3, rngs=nnx.Rngs(1))
+  fresh_opt = nnx.Optimizer(fresh, optax.adamw(1e-2), wrt=nnx.Param)
+  abstract = {"model": nnx.state(fresh), "opt": nnx.state(fresh_opt)}
+  out = ucp_jax.restore(tmp_path / "c", abstract)
+  nnx.update(fresh, out["model"])
+  np.testing.assert_array_equal(np.asarray(fresh.kernel[...]), np.asarray(model.kernel[...]))
+
+
+def test_reshard_matches_device_put():
+  data = _data((16, 32))
+  src = jax.device_put(data, NamedSharding(MESHES["8"](), P("x")))
+  for mesh, spec in LAYOUTS:
+    dst = NamedSharding(MESHES[mesh](), spec)
+    for method in ("host", "device_put", "auto"):
+      out = ucp_jax.reshard({"w": src}, {"w": dst}, method=method)["w"]
+      assert out.sharding == dst
+      for shard in out.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), data[shard.index])
+  np.testing.assert_array_equal(np.asarray(src), data)  # input untouched
+
+
+def test_reshard_keys_and_one_sharding_for_all():
+  keys = jax.random.split(jax.random.key(0), 8)
+  dst = NamedSharding(MESHES["8"](), P("x"))
+  out = ucp_jax.reshard({"k": keys, "w": jnp.ones(8)}, dst)
+  np.testing.assert_array_equal(jax.random.key_data(out["k"]), jax.random.key_data(keys))
+  assert out["w"].sharding == dst
