@@ -197,20 +197,21 @@ def _dtype_problem(want: _Want, info: ArrayInfo, cast: bool) -> str | None:
 
 def _sharding_problem(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> str | None:
   spec = getattr(sharding, "spec", None)
-  if spec is not None and len(spec) > len(shape):
-    return f"{sharding} has {len(spec)} dimensions, the array {len(shape)}"
-  try:
-    shard_shape = sharding.shard_shape(shape)
-  except (ValueError, TypeError, IndexError) as e:
-    return f"{sharding} cannot shard shape {shape}: {e}"
   if spec is not None:
+    where = f"{spec} on mesh {dict(sharding.mesh.shape)}"
+    if len(spec) > len(shape):
+      return f"{where} has {len(spec)} dimensions, the array {len(shape)}"
     mesh_shape = dict(sharding.mesh.shape)
     for dim, axes in zip(shape, spec):
       names = axes if isinstance(axes, tuple) else (axes,)
       parts = int(np.prod([mesh_shape[a] for a in names if a is not None]))
       if parts > 1 and dim % parts:
-        return f"{sharding} splits a dimension of size {dim} into {parts} uneven parts"
-  return None if shard_shape is not None else f"{sharding} cannot shard shape {shape}"
+        return f"{where} splits a dimension of size {dim} into {parts} uneven parts"
+  try:
+    sharding.shard_shape(shape)
+  except (ValueError, TypeError, IndexError) as e:
+    return f"{sharding} cannot shard shape {shape}: {e}"
+  return None
 
 
 class _Reads:

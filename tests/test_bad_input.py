@@ -1,0 +1,248 @@
+"""Every kind of bad input: one clear error naming every offending key, and nothing lost."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ucp_jax
+from ucp_jax import _commit, _save, _store
+
+
+def _sds(shape, dtype=np.float32, spec=P()):
+  mesh = jax.make_mesh((8,), ("x",))
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+  path = tmp_path / "ckpt"
+  ucp_jax.save(
+    path,
+    {"a": np.ones((8, 4), np.float32), "b": {"c": np.zeros(3, np.int32), "d": np.ones(2)}},
+    step=1,
+  )
+  return path
+
+
+def test_error_hierarchy():
+  for cls in (
+    ucp_jax.CheckpointNotFoundError,
+    ucp_jax.CheckpointExistsError,
+    ucp_jax.ConcurrentWriteError,
+    ucp_jax.ManifestError,
+    ucp_jax.CorruptCheckpointError,
+    ucp_jax.TreeMismatchError,
+    ucp_jax.ShapeMismatchError,
+    ucp_jax.DtypeMismatchError,
+    ucp_jax.ShardingError,
+    ucp_jax.UnsupportedLeafError,
+  ):
+    assert issubclass(cls, ucp_jax.UcpError)
+  assert issubclass(ucp_jax.CheckpointNotFoundError, FileNotFoundError)
+  assert issubclass(ucp_jax.ShapeMismatchError, ValueError)
+
+
+def test_missing_checkpoint(tmp_path):
+  with pytest.raises(ucp_jax.CheckpointNotFoundError, match="the path does not exist"):
+    ucp_jax.open(tmp_path / "nope")
+  (tmp_path / "empty").mkdir()
+  with pytest.raises(ucp_jax.CheckpointNotFoundError, match="manifest.json is missing"):
+    ucp_jax.restore(tmp_path / "empty")
+
+
+def test_tree_mismatch_lists_every_key(ckpt):
+  target = {"a": _sds((8, 4)), "b": {"c": np.zeros(3, np.int32)}, "x": _sds((1,)), "y": 0}
+  with pytest.raises(ucp_jax.TreeMismatchError) as e:
+    ucp_jax.restore(ckpt, target)
+  assert str(e.value) == (
+    f"{ckpt}: target and checkpoint keys differ:\n"
+    "  x: in target, not in checkpoint\n"
+    "  y: in target, not in checkpoint\n"
+    "  b/d: in checkpoint, not in target (pass partial=True to skip)"
+  )
+
+
+def test_shape_mismatch_lists_every_key(ckpt):
+  target = {"a": _sds((4, 8)), "b": {"c": np.zeros(4, np.int32), "d": np.ones(2)}}
+  with pytest.raises(ucp_jax.ShapeMismatchError) as e:
+    ucp_jax.restore(ckpt, target)
+  assert str(e.value) == (
+    f"{ckpt}: shapes differ:\n"
+    "  a: shape (4, 8) in target, (8, 4) in checkpoint\n"
+    "  b/c: shape (4,) in target, (3,) in checkpoint"
+  )
+
+
+def test_dtype_mismatch_without_cast(ckpt):
+  target = {"a": _sds((8, 4), jnp.bfloat16), "b": {"c": np.zeros(3, np.int8), "d": np.ones(2)}}
+  with pytest.raises(ucp_jax.DtypeMismatchError) as e:
+    ucp_jax.restore(ckpt, target)
+  assert "a: bfloat16 in target, float32 in checkpoint" in str(e.value)
+  assert "b/c: int8 in target, int32 in checkpoint" in str(e.value)
+  key_dtype = jax.random.key(0).dtype
+  with pytest.raises(ucp_jax.DtypeMismatchError, match=r"b/d: key<fry> in target, float64 in"):
+    ucp_jax.restore(ckpt, {"b": {"d": _sds((2,), key_dtype)}}, partial=True)
+
+
+def test_sharding_that_does_not_fit(tmp_path):
+  ucp_jax.save(tmp_path / "c", {"odd": np.ones(10), "vec": np.ones(8)})
+  mesh = jax.make_mesh((8,), ("x",))
+  target = {"odd": _sds((10,), np.float64, P("x")), "vec": NamedSharding(mesh, P(None, "x"))}
+  with pytest.raises(ucp_jax.ShardingError) as e:
+    ucp_jax.restore(tmp_path / "c", target, cast=True)
+  assert "odd: " in str(e.value) and "10 into 8 uneven parts" in str(e.value)
+  assert "vec: " in str(e.value) and "2 dimensions, the array 1" in str(e.value)
+
+
+def test_corrupted_chunk_is_caught(ckpt):
+  chunk = next(p for p in (ckpt / "a" / "c").rglob("*") if p.is_file())
+  raw = bytearray(chunk.read_bytes())
+  raw[5] ^= 0xFF
+  chunk.write_bytes(bytes(raw))
+  with pytest.raises(ucp_jax.CorruptCheckpointError, match=r"`a`: .*Digest mismatch"):
+    ucp_jax.restore(ckpt)
+  problems = ucp_jax.open(ckpt).verify()
+  assert list(problems) == ["a"] and "Digest mismatch" in problems["a"]
+
+
+def test_missing_chunk_is_caught_by_verify(ckpt):
+  next(p for p in (ckpt / "b" / "c" / "c").rglob("*") if p.is_file()).unlink()
+  assert ucp_jax.open(ckpt).verify() == {"b/c": "1 of 1 chunks missing"}
+
+
+def test_truncated_foreign_and_future_manifests(ckpt):
+  manifest = ckpt / "manifest.json"
+  good = manifest.read_bytes()
+  manifest.write_bytes(good[: len(good) // 2])
+  with pytest.raises(ucp_jax.ManifestError, match="not valid JSON"):
+    ucp_jax.open(ckpt)
+  manifest.write_text(json.dumps({"format": "orbax", "arrays": {}}))
+  with pytest.raises(ucp_jax.ManifestError, match="not a ucp_jax manifest"):
+    ucp_jax.open(ckpt)
+  manifest.write_text(json.dumps({**json.loads(good), "format_version": 99}))
+  with pytest.raises(ucp_jax.ManifestError, match="format version 99"):
+    ucp_jax.open(ckpt)
+  manifest.write_text(json.dumps({**json.loads(good), "arrays": {"a": {"shape": [1]}}}))
+  with pytest.raises(ucp_jax.ManifestError, match="malformed"):
+    ucp_jax.open(ckpt)
+
+
+def test_saving_over_existing_needs_overwrite(ckpt, tmp_path):
+  with pytest.raises(ucp_jax.CheckpointExistsError, match="overwrite=True"):
+    ucp_jax.save(ckpt, {"z": np.zeros(1)})
+  assert ucp_jax.open(ckpt).keys() == ["a", "b/c", "b/d"]
+  other = tmp_path / "user_files"
+  other.mkdir()
+  (other / "notes.txt").write_text("keep me")
+  with pytest.raises(ucp_jax.CheckpointExistsError, match="not a ucp_jax checkpoint"):
+    ucp_jax.save(other, {"z": np.zeros(1)}, overwrite=True)
+  assert (other / "notes.txt").read_text() == "keep me"
+
+
+def test_unsupported_leaves_fail_before_any_io(tmp_path):
+  tree = {"ok": np.ones(1), "s": "text", "o": np.array([object()]), "f": lambda: 0}
+  with pytest.raises(ucp_jax.UnsupportedLeafError) as e:
+    ucp_jax.save(tmp_path / "c", tree)
+  assert "f: builtins.function" in str(e.value) and "s: builtins.str" in str(e.value)
+  assert "o: numpy.ndarray" in str(e.value)
+  assert not os.listdir(tmp_path)
+  with pytest.raises(ucp_jax.UcpError, match="JSON-serializable"):
+    ucp_jax.save(tmp_path / "c", {"a": np.ones(1)}, metadata={"x": object()})
+  assert not os.listdir(tmp_path)
+
+
+def test_concurrent_writer_is_turned_away(ckpt):
+  lock = _commit.Lock(_store.resolve(ckpt), token=1)
+  lock.acquire()
+  try:
+    with pytest.raises(
+      ucp_jax.ConcurrentWriteError, match="another save to this path is in progress"
+    ):
+      ucp_jax.save(ckpt, {"z": np.zeros(1)}, overwrite=True)
+  finally:
+    lock.release()
+  assert ucp_jax.open(ckpt).step == 1
+
+
+def test_two_threads_saving_one_path(tmp_path):
+  big = {f"w{i}": np.random.default_rng(i).standard_normal((256, 256)) for i in range(16)}
+  errors, barrier = [], threading.Barrier(2)
+
+  def run(step):
+    barrier.wait()
+    try:
+      ucp_jax.save(tmp_path / "c", big, step=step, overwrite=True)
+    except ucp_jax.ConcurrentWriteError as e:
+      errors.append(e)
+
+  threads = [threading.Thread(target=run, args=(s,)) for s in (1, 2)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  ckpt = ucp_jax.open(tmp_path / "c")
+  assert ckpt.step in (1, 2) and len(ckpt.keys()) == 16
+  assert len(errors) <= 1  # one may finish before the other starts
+  assert ckpt.verify() == {}
+
+
+def test_failed_save_leaves_previous_checkpoint(ckpt, monkeypatch):
+  def boom(self, entries, budget):
+    raise OSError("disk full")
+
+  monkeypatch.setattr(_save.Writer, "_write_entries", boom)
+  with pytest.raises(OSError, match="disk full"):
+    ucp_jax.save(ckpt, {"a": np.zeros((2, 2))}, step=2, overwrite=True)
+  assert ucp_jax.open(ckpt).step == 1
+  assert sorted(p.name for p in ckpt.parent.iterdir()) == ["ckpt"]
+
+
+def test_killed_save_leaves_previous_checkpoint_and_next_save_works(ckpt):
+  script = textwrap.dedent(
+    f"""
+    import os, numpy as np, ucp_jax
+    from ucp_jax import _save
+    real = _save.Writer.commit
+    def die(self, manifest):
+      os._exit(3)  # the process dies after writing its data, before the commit
+    _save.Writer.commit = die
+    ucp_jax.save({str(ckpt)!r}, {{"a": np.zeros((64, 64))}}, step=2, overwrite=True)
+    """
+  )
+  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 3, proc.stderr
+  assert any(p.name.startswith(".ckpt.ucp-tmp-") for p in ckpt.parent.iterdir())
+  assert ucp_jax.open(ckpt).step == 1
+  np.testing.assert_array_equal(ucp_jax.restore(ckpt)["a"], np.ones((8, 4)))
+  ucp_jax.save(ckpt, {"a": np.zeros(2)}, step=3, overwrite=True)  # stale lock and staging cleaned
+  assert ucp_jax.open(ckpt).step == 3
+  assert sorted(p.name for p in ckpt.parent.iterdir()) == ["ckpt"]
+
+
+def test_interrupted_first_save_is_not_a_checkpoint(tmp_path, monkeypatch):
+  monkeypatch.setattr(
+    _save.Writer, "commit", lambda self, m: (_ for _ in ()).throw(KeyboardInterrupt())
+  )
+  with pytest.raises(KeyboardInterrupt):
+    ucp_jax.save(tmp_path / "c", {"a": np.ones(3)})
+  with pytest.raises(ucp_jax.CheckpointNotFoundError):
+    ucp_jax.open(tmp_path / "c")
+
+
+def test_restore_does_not_mutate_target(ckpt):
+  target = {
+    "a": np.full((8, 4), 5, np.float32),
+    "b": {"c": np.zeros(3, np.int32), "d": np.zeros(2)},
+  }
+  ucp_jax.restore(ckpt, target)
+  assert (target["a"] == 5).all()
