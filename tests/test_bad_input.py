@@ -18,9 +18,9 @@ import ucp_jax
 from ucp_jax import _commit, _save, _store
 
 
-def _sds(shape, dtype=np.float32, spec=P()):
+def _sds(shape, dtype=np.float32, spec=None):
   mesh = jax.make_mesh((8,), ("x",))
-  return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec or P()))
 
 
 @pytest.fixture
@@ -56,7 +56,7 @@ def test_missing_checkpoint(tmp_path):
   with pytest.raises(ucp_jax.CheckpointNotFoundError, match="the path does not exist"):
     ucp_jax.open(tmp_path / "nope")
   (tmp_path / "empty").mkdir()
-  with pytest.raises(ucp_jax.CheckpointNotFoundError, match="manifest.json is missing"):
+  with pytest.raises(ucp_jax.CheckpointNotFoundError, match=r"manifest\.json is missing"):
     ucp_jax.restore(tmp_path / "empty")
 
 
