@@ -109,19 +109,26 @@ def choose_chunks(
   """
   chunk = [max(1, s) for s in shard_shape]
   sharded = [s < full for s, full in zip(shard_shape, shape)]
-  while math.prod(chunk) * itemsize > limit:
-    order = sorted(range(len(chunk)), key=lambda i: -chunk[i])
-    for i in order:
-      if not sharded[i] and chunk[i] > 1:
-        chunk[i] = -(-chunk[i] // 2)
-        break
-      factor = _smallest_factor(chunk[i])
-      if sharded[i] and factor < chunk[i]:  # keep a prime-sized shard whole
-        chunk[i] //= factor
-        break
-    else:
-      break
+  while math.prod(chunk) * itemsize > limit and _split_once(chunk, sharded):
+    pass
   return tuple(chunk)
+
+
+def _split_once(chunk: list[int], sharded: list[bool]) -> bool:
+  """Splits the largest splittable dimension in place; a prime shard only as a last resort."""
+  order = sorted(range(len(chunk)), key=lambda i: -chunk[i])
+  for allow_prime in (False, True):
+    for i in order:
+      if chunk[i] <= 1:
+        continue
+      if not sharded[i]:
+        chunk[i] = -(-chunk[i] // 2)
+        return True
+      factor = _smallest_factor(chunk[i])
+      if factor < chunk[i] or allow_prime:
+        chunk[i] //= factor
+        return True
+  return False
 
 
 def _smallest_factor(n: int) -> int:
