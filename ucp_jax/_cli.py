@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
   out = Console(highlight=False, soft_wrap=True)
-  err = Console(stderr=True, highlight=False)
+  err = Console(stderr=True, highlight=False, soft_wrap=True)
   try:
     return _COMMANDS[args.command](args, out, err)
   except _errors.UcpError as e:

@@ -45,8 +45,13 @@ def _check_array(ckpt: _reader.Checkpoint, kvstore, key: str) -> str | None:
       f"manifest says {info.shape} {info.dtype}"
     )
   chunks = info.chunks
-  expected = math.prod(-(-d // c) for d, c in zip(info.shape, chunks)) if math.prod(info.shape) else 0
-  found = len(kvstore.list(_prefix_range(f"{key}/c")).result()) if info.shape else 1
+  expected = (
+    math.prod(-(-d // c) for d, c in zip(info.shape, chunks)) if math.prod(info.shape) else 0
+  )
+  if info.shape:
+    found = len(kvstore.list(_prefix_range(f"{key}/c")).result())
+  else:  # the one chunk of a 0-d array is the key `c` itself
+    found = int(kvstore.read(f"{key}/c").result().state == "value")
   if found < expected:
     return f"{expected - found} of {expected} chunks missing"
   step = max(1, _BLOCK_BYTES // max(1, math.prod(info.shape[1:]) * np.dtype(info.dtype).itemsize))
