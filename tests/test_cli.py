@@ -68,3 +68,11 @@ def test_console_script_runs(ckpt):
   )
   assert proc.returncode == 0, proc.stderr
   assert "OK" in proc.stdout
+
+
+@pytest.mark.slow
+def test_demo_small(tmp_path, capsys):
+  assert _cli.main(["demo", "--out", str(tmp_path / "demo"), "--steps", "2"]) == 0
+  out = capsys.readouterr().out
+  assert "bit-identical to the saved state: True" in out and "PASS" in out
+  assert ucp_jax.open(tmp_path / "demo" / "ckpt_leg2").step == 4

@@ -95,6 +95,16 @@ def cmd_verify(args, out: Console, err: Console) -> int:
   return 0
 
 
+@_command
+def cmd_demo(args, out: Console, err: Console) -> int:
+  from ucp_jax import _demo
+
+  result = _demo.run(args.out, steps=args.steps, log=lambda line: out.print(line, markup=False))
+  ok = result["exact_restore"] and result["max_rel_diff"] <= 1e-5
+  out.print("[green]PASS[/green]" if ok else "[red]FAIL[/red]: the runs diverged")
+  return 0 if ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="ucp", description="Universal checkpoints for JAX.")
   sub = parser.add_subparsers(dest="command", required=True)
@@ -103,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--json", action="store_true", help="machine-readable output")
   p = sub.add_parser("verify", help="read every chunk, check checksums against the manifest")
   p.add_argument("checkpoint")
+  p = sub.add_parser("demo", help="train, save, restore onto other meshes, compare with no restart")
+  p.add_argument("--out", default="demo_out", help="where the checkpoints go (default: demo_out)")
+  p.add_argument("--steps", type=int, default=20, help="training steps per leg (default: 20)")
   return parser
 
 
