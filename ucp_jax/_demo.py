@@ -167,7 +167,7 @@ def run(out_dir: str = "demo_out", steps: int = STEPS, log=print) -> dict:
   rel = float(np.max(np.abs(ref - got) / np.maximum(np.abs(ref), 1e-12)))
   log("")
   log(" step   uninterrupted   save/restore/reshard")
-  for i in list(range(0, 3 * steps, max(1, steps // 2))) + [3 * steps - 1]:
+  for i in [*range(0, 3 * steps, max(1, steps // 2)), 3 * steps - 1]:
     marker = "  <- restored" if i in (steps, 2 * steps) else ""
     log(f" {i:4d}   {ref[i]:.8f}      {got[i]:.8f}{marker}")
   log(

@@ -70,16 +70,22 @@ def save(
     The checkpoint's location as a string.
   """
   target = _store.resolve(path)
-  flat, _ = _tree.flatten(tree)
-  entries = _plan(flat, chunk_bytes)
-  manifest = _manifest.Manifest(
-    arrays={e.key: e.info for e in entries},
-    tree=_tree.structure(list(flat)),
-    step=None if step is None else int(step),
-    metadata=_json_checked(metadata or {}, "metadata"),
-    source=source or _jax_source(entries),
-    schema=schema,
-  )
+
+  def prepare() -> tuple[list[_Entry], _manifest.Manifest]:
+    flat, _ = _tree.flatten(tree)
+    entries = _plan(flat, chunk_bytes)
+    manifest = _manifest.Manifest(
+      arrays={e.key: e.info for e in entries},
+      tree=_tree.structure(list(flat)),
+      step=None if step is None else int(step),
+      metadata=_json_checked(metadata or {}, "metadata"),
+      source=source or _jax_source(entries),
+      schema=schema,
+    )
+    return entries, manifest
+
+  # A tree rejected on one process only must stop every process, not leave them waiting.
+  entries, manifest = _together(target, "checking the tree", prepare)
   with Writer(target, overwrite=overwrite) as writer:
     writer.create({e.key: e.info for e in entries}, compression=compression)
     writer.write_entries(entries, max_host_bytes)
@@ -128,16 +134,7 @@ class Writer:
     return self
 
   def _together(self, what: str, fn, *args) -> None:
-    """Runs `fn` on every process; if it fails anywhere, every process raises."""
-    error = None
-    try:
-      fn(*args)
-    except Exception as e:
-      error = e
-    if not _multihost.all_ok(error is None):
-      if error is not None:
-        raise error
-      raise _errors.UcpError(f"{self.target}: {what} failed on another process (see its log)")
+    _together(self.target, what, fn, *args)
 
   def create(self, arrays: dict[str, _manifest.ArrayInfo], *, compression: str | None) -> None:
     """Creates every array (process 0), then opens them on the other processes."""
@@ -214,6 +211,20 @@ class Writer:
     if self._lock is not None:
       self._lock.release()
       self._lock = None
+
+
+def _together(target: _store.Location, what: str, fn, *args) -> Any:
+  """`fn(*args)` on every process; if it fails on any process, every process raises."""
+  error, result = None, None
+  try:
+    result = fn(*args)
+  except Exception as e:
+    error = e
+  if not _multihost.all_ok(error is None):
+    if error is not None:
+      raise error
+    raise _errors.UcpError(f"{target}: {what} failed on another process (see its log)")
+  return result
 
 
 def _owned_shards(entries: list[_Entry], primary: bool) -> Iterator[tuple[_Entry, tuple, Any]]:
