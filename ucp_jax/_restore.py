@@ -122,7 +122,7 @@ def _want(key: str, leaf: Any) -> _Want | None:
   if isinstance(leaf, (jax.ShapeDtypeStruct, jax.Array)):
     sharding = getattr(leaf, "sharding", None)
     if sharding is None:
-      sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+      sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     prng = jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
     dtype = leaf.dtype if prng else np.dtype(leaf.dtype)
     return _Want(key, "jax", tuple(leaf.shape), dtype, sharding, prng=prng)

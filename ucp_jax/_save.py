@@ -110,12 +110,12 @@ class Writer:
     self.staging: _store.Location | None = None
 
   def __enter__(self) -> Writer:
-    _commit.check_writable(self.target, self._overwrite)
     status = np.zeros(2, dtype=np.uint64)
     error: Exception | None = None
-    if self._primary:
+    if self._primary:  # the others learn the outcome from the broadcast below
       token = secrets.randbits(63)
       try:
+        _commit.check_writable(self.target, self._overwrite)
         lock = _commit.Lock(self.target, token)
         lock.acquire()
         self._lock = lock
