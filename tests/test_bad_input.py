@@ -109,15 +109,26 @@ def test_corrupted_chunk_is_caught(ckpt):
   raw = bytearray(chunk.read_bytes())
   raw[5] ^= 0xFF
   chunk.write_bytes(bytes(raw))
-  with pytest.raises(ucp_jax.CorruptCheckpointError, match=r"`a`: .*Digest mismatch"):
+  with pytest.raises(ucp_jax.CorruptCheckpointError, match=r"a/c/0/0: `a`: checksum mismatch"):
     ucp_jax.restore(ckpt)
+  sharding = NamedSharding(jax.make_mesh((8,), ("x",)), P("x"))
+  with pytest.raises(ucp_jax.CorruptCheckpointError, match=r"a/c/0/0: `a`: checksum mismatch"):
+    ucp_jax.restore(ckpt, {"a": sharding}, partial=True)
   problems = ucp_jax.open(ckpt).verify()
   assert list(problems) == ["a"] and "Digest mismatch" in problems["a"]
 
 
-def test_missing_chunk_is_caught_by_verify(ckpt):
-  next(p for p in (ckpt / "b" / "c" / "c").rglob("*") if p.is_file()).unlink()
+def test_missing_or_short_chunk_is_caught(ckpt):
+  chunk = next(p for p in (ckpt / "b" / "c" / "c").rglob("*") if p.is_file())
+  chunk.unlink()
   assert ucp_jax.open(ckpt).verify() == {"b/c": "1 of 1 chunks missing"}
+  with pytest.raises(ucp_jax.CorruptCheckpointError, match=r"b/c/c/0: `b/c`: chunk file missing"):
+    ucp_jax.restore(ckpt)
+  chunk.write_bytes(b"abc")
+  with pytest.raises(
+    ucp_jax.CorruptCheckpointError, match=r"`b/c`: chunk file holds 3 bytes, expected 16"
+  ):
+    ucp_jax.restore(ckpt)
 
 
 def test_truncated_foreign_and_future_manifests(ckpt):

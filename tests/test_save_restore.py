@@ -1,5 +1,7 @@
 """Round trips of `save` / `restore` / `open` across meshes, specs and dtypes on 8 CPU devices."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -200,24 +202,43 @@ def test_target_of_arrays_and_bare_shardings(tmp_path):
 
 
 def test_slice_shared_by_devices_is_read_once(tmp_path, monkeypatch):
-  from ucp_jax import _restore
+  from ucp_jax import _direct, _restore
 
   data = _data((8, 8))
-  ucp_jax.save(tmp_path / "c", {"w": data})
-  reads = []
-  original = _restore._Reads._read
-
-  def counting(self, key, index):
-    reads.append(tuple((s.start, s.stop) for s in index))
-    return original(self, key, index)
-
-  monkeypatch.setattr(_restore._Reads, "_read", counting)
+  ucp_jax.save(tmp_path / "c", {"w": data}, chunk_bytes=64)  # 2 x 2 chunks of 4 x 4
   # 2x4 mesh, sharded over "x" only: 4 devices share each half.
   sharding = NamedSharding(MESHES["2x4"](), P("x"))
-  out = ucp_jax.restore(
-    tmp_path / "c", {"w": jax.ShapeDtypeStruct((8, 8), np.float32, sharding=sharding)}
+  target = {"w": jax.ShapeDtypeStruct((8, 8), np.float32, sharding=sharding)}
+
+  chunk_reads = []
+  real_read_into = _direct._read_into
+  monkeypatch.setattr(
+    _direct,
+    "_read_into",
+    lambda path, key, out: (chunk_reads.append(path), real_read_into(path, key, out))[1],
   )
-  assert sorted(reads) == [((0, 4), (0, 8)), ((4, 8), (0, 8))]
+  out = ucp_jax.restore(tmp_path / "c", target)
+  np.testing.assert_array_equal(np.asarray(out["w"]), data)
+  assert sorted(os.path.relpath(p, tmp_path / "c" / "w") for p in chunk_reads) == [
+    "c/0/0",
+    "c/0/1",
+    "c/1/0",
+    "c/1/1",
+  ]  # each chunk once
+
+  monkeypatch.setattr(_direct, "ENABLED", False)  # the TensorStore path: one read per slice
+  slice_reads = []
+  real_read = _restore._Reads._read
+  monkeypatch.setattr(
+    _restore._Reads,
+    "_read",
+    lambda self, key, index: (
+      slice_reads.append(tuple((s.start, s.stop) for s in index)),
+      real_read(self, key, index),
+    )[1],
+  )
+  out = ucp_jax.restore(tmp_path / "c", target)
+  assert sorted(slice_reads) == [((0, 4), (0, 8)), ((4, 8), (0, 8))]
   np.testing.assert_array_equal(np.asarray(out["w"]), data)
 
 

@@ -26,6 +26,7 @@ class ArrayInfo:
     python_type: for scalars, `int`, `float`, `bool` or `complex`.
     prng_impl: for PRNG keys, the implementation name (`threefry2x32`, ...).
     role: optional meaning in the universal schema (`value`, `exp_avg`, ...).
+    compression: the chunk codec, None when chunks are stored raw.
   """
 
   shape: tuple[int, ...]
@@ -35,6 +36,7 @@ class ArrayInfo:
   python_type: str | None = None
   prng_impl: str | None = None
   role: str | None = None
+  compression: str | None = None
 
   @property
   def nbytes(self) -> int:
@@ -45,7 +47,7 @@ class ArrayInfo:
 
   def to_json(self) -> dict:
     out = {"shape": list(self.shape), "dtype": self.dtype, "chunks": list(self.chunks)}
-    for name in ("kind", "python_type", "prng_impl", "role"):
+    for name in ("kind", "python_type", "prng_impl", "role", "compression"):
       value = getattr(self, name)
       if value is not None and not (name == "kind" and value == "array"):
         out[name] = value
@@ -61,6 +63,7 @@ class ArrayInfo:
       python_type=data.get("python_type"),
       prng_impl=data.get("prng_impl"),
       role=data.get("role"),
+      compression=data.get("compression"),
     )
 
 

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from ucp_jax import _errors, _hostmem, _reader, _save, _tree
+from ucp_jax import _direct, _errors, _hostmem, _reader, _save, _tree
 from ucp_jax._manifest import ArrayInfo
 
 _PY_TYPES = {"bool": bool, "int": int, "float": float, "complex": complex}
@@ -223,20 +223,57 @@ class _Reads:
     self._stores: dict[str, Any] = {}
 
   def run(self, wants: dict[str, _Want]) -> dict[str, Any]:
-    futures = {k: self._ckpt.open_future(k) for k in wants}
+    ts_keys = [k for k in wants if self._direct_dir(k) is None]
+    futures = {k: self._ckpt.open_future(k) for k in ts_keys}
     self._stores = {k: f.result() for k, f in futures.items()}
-    tasks = [t for want in wants.values() for t in self._tasks(want)]
     pieces: dict[str, dict] = {k: {} for k in wants}
     window: deque = deque()
     held = 0
-    for task in tasks:
-      while window and held + task[3] > self._budget:
+    for unit in self._units(wants):
+      while window and held + unit[-1] > self._budget:
         held -= self._finish(window.popleft(), pieces)
-      window.append((*task, *self._read(task[0].key, task[1])))
-      held += task[3]
+      window.append(self._start(unit))
+      held += unit[-1]
     while window:
       self._finish(window.popleft(), pieces)
     return {key: self._assemble(wants[key], pieces[key]) for key in wants}
+
+  def _units(self, wants: dict[str, _Want]):
+    """Units of reading: every slice of a direct-read array together, else one slice each."""
+    for key, want in wants.items():
+      tasks = list(self._tasks(want))
+      if self._direct_dir(key) is not None:
+        yield want, [t[1] for t in tasks], [t[2] for t in tasks], sum(t[3] for t in tasks)
+      else:
+        for _, index, devices, nbytes in tasks:
+          yield want, [index], [devices], nbytes
+
+  def _direct_dir(self, key: str) -> str | None:
+    """The array's directory, when its chunk files can be read without TensorStore."""
+    location = self._ckpt.location
+    if type(self._ckpt) is not _reader.Checkpoint or location.local_dir is None:
+      return None
+    if not _direct.ENABLED or self._ckpt[key].compression is not None:
+      return None
+    return os.path.join(location.local_dir, key)
+
+  def _start(self, unit):
+    want, indices, devices, nbytes = unit
+    info = self._ckpt[want.key]
+    array_dir = self._direct_dir(want.key)
+    if array_dir is not None:
+      regions = [_full(index, info.shape) for index in indices]
+      hosts, wait = _direct.start_read(
+        array_dir, want.key, regions, info.dtype, info.chunks, info.shape
+      )
+    else:
+      hosts, futures = zip(*(self._read(want.key, index) for index in indices))
+
+      def wait():
+        for f in futures:
+          _reader.wait_read(self._ckpt.location, want.key, f)
+
+    return want, list(hosts), devices, wait, nbytes
 
   def _tasks(self, want: _Want):
     """(want, index, devices, nbytes) per distinct slice this process needs."""
@@ -258,15 +295,16 @@ class _Reads:
     return out, ts.array(out, copy=False, write=True).write(view).commit
 
   def _finish(self, item, pieces: dict[str, dict]) -> int:
-    want, _, devices, nbytes, host, future = item
-    _reader.wait_read(self._ckpt.location, want.key, future)
-    if want.dtype is not None and not want.prng and host.dtype != want.dtype:
-      host = host.astype(want.dtype)
-    if devices is None:
-      pieces[want.key][None] = host
-    else:
-      for device in devices:
-        pieces[want.key][device] = _hostmem.to_device(host, device)
+    want, hosts, devices_per_host, wait, nbytes = item
+    wait()
+    for host, devices in zip(hosts, devices_per_host):
+      if want.dtype is not None and not want.prng and host.dtype != want.dtype:
+        host = host.astype(want.dtype)
+      if devices is None:
+        pieces[want.key][None] = host
+      else:
+        for device in devices:
+          pieces[want.key][device] = _hostmem.to_device(host, device)
     return nbytes
 
   def _assemble(self, want: _Want, pieces: dict) -> Any:
@@ -285,6 +323,10 @@ class _Reads:
       info.shape, data_sharding, [pieces[d] for d in want.sharding.addressable_devices]
     )
     return jax.random.wrap_key_data(data, impl=info.prng_impl)
+
+
+def _full(index: tuple, shape: tuple[int, ...]) -> tuple[slice, ...]:
+  return _save._normalize(index, shape)
 
 
 def _key_data_sharding(
