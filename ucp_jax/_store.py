@@ -104,8 +104,10 @@ def choose_chunks(
 
   A sharded dimension is only ever split by a divisor of its shard extent, so no chunk
   straddles two shards and writers on different hosts never share a chunk. An
-  unsharded dimension may be split anywhere. The largest extent is split first,
-  which keeps chunks squarish: cheap to read for a restore sharded another way.
+  unsharded dimension may be split anywhere. Leading dimensions are split first, so
+  a chunk is a contiguous block of its shard: written with one `writev` and read with
+  one `readinto` straight into a device buffer. A restore sharded another way reads
+  each chunk once per host and scatters it.
   """
   chunk = [max(1, s) for s in shard_shape]
   sharded = [s < full for s, full in zip(shard_shape, shape)]
@@ -115,10 +117,9 @@ def choose_chunks(
 
 
 def _split_once(chunk: list[int], sharded: list[bool]) -> bool:
-  """Splits the largest splittable dimension in place; a prime shard only as a last resort."""
-  order = sorted(range(len(chunk)), key=lambda i: -chunk[i])
+  """Splits the leading splittable dimension in place; a prime shard only as a last resort."""
   for allow_prime in (False, True):
-    for i in order:
+    for i in range(len(chunk)):
       if chunk[i] <= 1:
         continue
       if not sharded[i]:
