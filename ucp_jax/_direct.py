@@ -36,6 +36,11 @@ _made_dirs_lock = threading.Lock()
 Region = tuple[slice, ...]
 
 
+def submit(fn, *args) -> concurrent.futures.Future:
+  """Runs `fn(*args)` on the I/O thread pool (for copies that release the GIL)."""
+  return _POOL.submit(fn, *args)
+
+
 def chunk_path(array_dir: str, index: tuple[int, ...]) -> str:
   """The file of chunk `index` under zarr v3's default chunk key encoding."""
   return os.path.join(array_dir, "c", *map(str, index))

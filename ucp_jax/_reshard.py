@@ -7,7 +7,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ucp_jax import _errors, _hostmem, _save, _tree
+from ucp_jax import _direct, _errors, _hostmem, _save, _tree
 
 
 def reshard(tree: Any, shardings: Any, *, method: str = "auto") -> Any:
@@ -42,7 +42,8 @@ def reshard(tree: Any, shardings: Any, *, method: str = "auto") -> Any:
     keys = list(flat)
     moved = jax.device_put([flat[k] for k in keys], [targets[k] for k in keys])
     return unflatten(dict(zip(keys, moved)))
-  return unflatten({k: _host_reshard(x, targets[k]) for k, x in flat.items()})
+  started = {k: _start_host_reshard(x, targets[k]) for k, x in flat.items()}
+  return unflatten({k: finish() for k, finish in started.items()})
 
 
 def _target_shardings(flat: dict[str, Any], shardings: Any) -> dict[str, jax.sharding.Sharding]:
@@ -87,28 +88,40 @@ def _host_copy_pays(flat: dict[str, Any]) -> bool:
   return True
 
 
-def _host_reshard(x: jax.Array, target: jax.sharding.Sharding) -> jax.Array:
+def _start_host_reshard(x: jax.Array, target: jax.sharding.Sharding):
+  """Starts copying every target slice out of the source shards (threads: numpy frees the GIL).
+
+  Returns a function that waits for the copies and builds the resharded array.
+  """
   if x.sharding == target:
-    return x
+    return lambda: x
   if x.sharding.is_equivalent_to(target, x.ndim):  # same data per device: relabel only
     by_device = {s.device: s.data for s in x.addressable_shards}
-    return jax.make_array_from_single_device_arrays(
+    return lambda: jax.make_array_from_single_device_arrays(
       x.shape, target, [by_device[d] for d in target.addressable_devices]
     )
   if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-    return jax.device_put(x, target)
+    return lambda: jax.device_put(x, target)
   shape = tuple(x.shape)
   sources = [
     (_save._normalize(s.index, shape), s.data) for s in x.addressable_shards if s.replica_id == 0
   ]
-  buffers = {}
-  for index, devices in _save.group_by_slice(target, shape):
-    host = _assemble(index, sources, x.dtype)
-    for device in devices:
-      buffers[device] = _hostmem.to_device(host, device)
-  return jax.make_array_from_single_device_arrays(
-    shape, target, [buffers[d] for d in target.addressable_devices]
-  )
+  copies = [
+    (devices, _direct.submit(_assemble, index, sources, x.dtype))
+    for index, devices in _save.group_by_slice(target, shape)
+  ]
+
+  def finish() -> jax.Array:
+    buffers = {}
+    for devices, copy in copies:
+      host = copy.result()
+      for device in devices:
+        buffers[device] = _hostmem.to_device(host, device)
+    return jax.make_array_from_single_device_arrays(
+      shape, target, [buffers[d] for d in target.addressable_devices]
+    )
+
+  return finish
 
 
 def _assemble(index: tuple[slice, ...], sources: list, dtype) -> np.ndarray:
