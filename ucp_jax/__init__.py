@@ -5,6 +5,9 @@ TensorStore, plus a manifest), never the layout that wrote them: save from any
 mesh, restore onto any other, and convert PyTorch/DeepSpeed checkpoints in and out.
 """
 
+from ucp_jax._async import SaveHandle as SaveHandle
+from ucp_jax._async import save_async as save_async
+from ucp_jax._async import wait_until_finished as wait_until_finished
 from ucp_jax._errors import CheckpointExistsError as CheckpointExistsError
 from ucp_jax._errors import CheckpointNotFoundError as CheckpointNotFoundError
 from ucp_jax._errors import ConcurrentWriteError as ConcurrentWriteError
@@ -40,6 +43,7 @@ __all__ = [
   "Manifest",
   "ManifestError",
   "MappingError",
+  "SaveHandle",
   "ShapeMismatchError",
   "ShardingError",
   "SourceFormatError",
@@ -51,4 +55,6 @@ __all__ = [
   "reshard",
   "restore",
   "save",
+  "save_async",
+  "wait_until_finished",
 ]

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import numpy as np
+from jax._src import distributed
+
+from ucp_jax import _errors
+
+TIMEOUT_S = 3600
+"""How long a process waits for the others at one agreement point of a save."""
 
 
 def is_primary() -> bool:
@@ -27,3 +35,65 @@ def all_ok(ok: bool) -> bool:
 
   flags = multihost_utils.process_allgather(np.array([ok], dtype=np.int32))
   return bool(np.all(flags))
+
+
+class Sync:
+  """The agreements of one save among the processes of a run.
+
+  With several processes it goes through `jax.distributed`'s coordination
+  service (a key-value store and barriers), never through device collectives, so
+  a save may agree from a background thread while training steps run their
+  collectives on the devices. Every process creates its `Sync`s in the same order
+  (they are numbered, which keeps the keys of two saves apart) and makes the same
+  calls on each. Without a coordination service it falls back to the collectives
+  of `broadcast_from_primary` and `all_ok`.
+  """
+
+  _numbers = itertools.count()
+
+  def __init__(self, name: str):
+    self._name = name
+    self._prefix = f"ucp_jax/sync/{next(Sync._numbers)}"
+    self._rounds = itertools.count()
+    self._client = None
+    if jax.process_count() > 1:
+      self._client = distributed.global_state.client
+    self._mine: list[str] = []  # keys this process set, deleted once all have read them
+
+  def broadcast_from_primary(self, values: np.ndarray, what: str) -> np.ndarray:
+    """Process 0's `values` on every process; the others pass an array of the same shape."""
+    if jax.process_count() == 1:
+      return values
+    if self._client is None:
+      return broadcast_from_primary(values)
+    key = f"{self._prefix}/{next(self._rounds)}/value"
+    if is_primary():
+      self._client.key_value_set_bytes(key, np.ascontiguousarray(values).tobytes())
+      self._mine.append(key)
+      return values
+    data = self._wait(what, self._client.blocking_key_value_get_bytes, key)
+    return np.frombuffer(data, dtype=values.dtype).reshape(values.shape).copy()
+
+  def all_ok(self, ok: bool, what: str) -> bool:
+    """True on every process iff `ok` was true on every process; also a barrier."""
+    if jax.process_count() == 1:
+      return ok
+    if self._client is None:
+      return all_ok(ok)
+    round_key = f"{self._prefix}/{next(self._rounds)}"
+    if not ok:
+      self._client.key_value_set(f"{round_key}/failed/{jax.process_index()}", "1")
+    self._wait(what, self._client.wait_at_barrier, round_key)
+    # Every process has read the earlier rounds' keys before reaching this barrier.
+    for key in self._mine:
+      self._client.key_value_delete(key)
+    self._mine = [f"{round_key}/failed/{jax.process_index()}"] if not ok else []
+    return not self._client.key_value_dir_get(f"{round_key}/failed/")
+
+  def _wait(self, what: str, fn, key: str):
+    try:
+      return fn(key, TIMEOUT_S * 1000)
+    except jax.errors.JaxRuntimeError as e:
+      raise _errors.UcpError(
+        f"{self._name}: {what}: waiting for the other processes failed (timeout {TIMEOUT_S} s): {e}"
+      ) from e

@@ -25,6 +25,8 @@ class _Entry:
   key: str
   info: _manifest.ArrayInfo
   value: Any  # a jax.Array (key data for PRNG keys) or a numpy array
+  # Host copies of the (index, data) this process writes, taken by `save_async`; None: use `value`.
+  owned: tuple[tuple[tuple[slice, ...], np.ndarray], ...] | None = None
 
 
 def save(
@@ -69,28 +71,69 @@ def save(
   Returns:
     The checkpoint's location as a string.
   """
-  target = _store.resolve(path)
+  from ucp_jax import _async  # here: _async imports this module
 
-  def prepare() -> tuple[list[_Entry], _manifest.Manifest]:
-    flat, _ = _tree.flatten(tree)
-    entries = _plan(flat, chunk_bytes)
-    manifest = _manifest.Manifest(
-      arrays={e.key: e.info for e in entries},
-      tree=_tree.structure(list(flat)),
-      step=None if step is None else int(step),
-      metadata=_json_checked(metadata or {}, "metadata"),
-      source=source or _jax_source(entries),
-      schema=schema,
+  _async.wait_until_finished()  # the async save before this one, and its error
+  target = _store.resolve(path)
+  sync = _multihost.Sync(str(target))
+
+  def plan() -> tuple[list[_Entry], _manifest.Manifest]:
+    return prepare(
+      tree, step=step, metadata=metadata, chunk_bytes=chunk_bytes, schema=schema, source=source
     )
-    return entries, manifest
 
   # A tree rejected on one process only must stop every process, not leave them waiting.
-  entries, manifest = _together(target, "checking the tree", prepare)
-  with Writer(target, overwrite=overwrite) as writer:
+  entries, manifest = _together(sync, target, "checking the tree", plan)
+  write(
+    target,
+    entries,
+    manifest,
+    sync,
+    overwrite=overwrite,
+    compression=compression,
+    max_host_bytes=max_host_bytes,
+  )
+  return str(target)
+
+
+def prepare(
+  tree: Any,
+  *,
+  step: int | None,
+  metadata: dict | None,
+  chunk_bytes: int,
+  schema: dict | None,
+  source: dict | None,
+) -> tuple[list[_Entry], _manifest.Manifest]:
+  """What `save` writes: an entry per leaf, and the manifest (raises for bad leaves)."""
+  flat, _ = _tree.flatten(tree)
+  entries = _plan(flat, chunk_bytes)
+  manifest = _manifest.Manifest(
+    arrays={e.key: e.info for e in entries},
+    tree=_tree.structure(list(flat)),
+    step=None if step is None else int(step),
+    metadata=_json_checked(metadata or {}, "metadata"),
+    source=source or _jax_source(entries),
+    schema=schema,
+  )
+  return entries, manifest
+
+
+def write(
+  target: _store.Location,
+  entries: list[_Entry],
+  manifest: _manifest.Manifest,
+  sync: _multihost.Sync,
+  *,
+  overwrite: bool,
+  compression: str | None,
+  max_host_bytes: int,
+) -> None:
+  """Creates, writes and commits the checkpoint `prepare` planned, with the other processes."""
+  with Writer(target, overwrite=overwrite, sync=sync) as writer:
     writer.create({e.key: e.info for e in entries}, compression=compression)
     writer.write_entries(entries, max_host_bytes)
     writer.commit(manifest)
-  return str(target)
 
 
 class Writer:
@@ -101,9 +144,16 @@ class Writer:
   Converters use it directly to write logical arrays from host memory.
   """
 
-  def __init__(self, target: _store.Location, *, overwrite: bool = False):
+  def __init__(
+    self,
+    target: _store.Location,
+    *,
+    overwrite: bool = False,
+    sync: _multihost.Sync | None = None,
+  ):
     self.target = target
     self._overwrite = overwrite
+    self._sync = sync or _multihost.Sync(str(target))
     self._primary = _multihost.is_primary()
     self._lock: _commit.Lock | None = None
     self._stores: dict[str, Any] = {}
@@ -124,7 +174,7 @@ class Writer:
         status[:] = (1, token)
       except Exception as e:  # reported to the other processes, then raised here
         error = e
-    status = _multihost.broadcast_from_primary(status)
+    status = self._sync.broadcast_from_primary(status, "starting the save")
     if error is not None:
       self._release()
       raise error
@@ -134,7 +184,7 @@ class Writer:
     return self
 
   def _together(self, what: str, fn, *args) -> None:
-    _together(self.target, what, fn, *args)
+    _together(self._sync, self.target, what, fn, *args)
 
   def create(self, arrays: dict[str, _manifest.ArrayInfo], *, compression: str | None) -> None:
     """Creates every array (process 0), then opens them on the other processes."""
@@ -179,7 +229,7 @@ class Writer:
         future.result()
         held -= n
       host = np.asarray(data)
-      immutable = isinstance(data, jax.Array)
+      immutable = isinstance(data, jax.Array) or entry.owned is not None  # never changes
       future = self._stores[entry.key][index].write(
         host, can_reference_source_data_indefinitely=immutable
       )
@@ -213,14 +263,14 @@ class Writer:
       self._lock = None
 
 
-def _together(target: _store.Location, what: str, fn, *args) -> Any:
+def _together(sync: _multihost.Sync, target: _store.Location, what: str, fn, *args) -> Any:
   """`fn(*args)` on every process; if it fails on any process, every process raises."""
   error, result = None, None
   try:
     result = fn(*args)
   except Exception as e:
     error = e
-  if not _multihost.all_ok(error is None):
+  if not sync.all_ok(error is None, what):
     if error is not None:
       raise error
     raise _errors.UcpError(f"{target}: {what} failed on another process (see its log)")
@@ -231,7 +281,10 @@ def _owned_shards(entries: list[_Entry], primary: bool) -> Iterator[tuple[_Entry
   """(entry, index, data) for every shard this process must write, device copies started early."""
   jax_shards = []
   for entry in entries:
-    if isinstance(entry.value, jax.Array):
+    if entry.owned is not None:
+      for index, data in entry.owned:
+        yield entry, index, data
+    elif isinstance(entry.value, jax.Array):
       for shard in entry.value.addressable_shards:
         if shard.replica_id == 0:
           jax_shards.append((entry, _normalize(shard.index, entry.info.shape), shard.data))

@@ -1,0 +1,186 @@
+"""ucp_jax inside Orbax's CheckpointManager: retention, intervals, resume, async, resharding."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ucp_jax
+from ucp_jax import _save
+from ucp_jax.orbax import UcpCheckpointHandler, UcpRestore, UcpSave
+
+_WRITE = _save.Writer._write_entries
+
+
+def _state(devices, step: int) -> dict:
+  mesh = jax.make_mesh((8,), ("d",), devices=devices)
+  w = jnp.arange(32.0).reshape(8, 4) + step
+  return {
+    "params": {"w": jax.device_put(w, NamedSharding(mesh, P("d")))},
+    "step": step,
+  }
+
+
+def _target(mesh, spec) -> dict:
+  sharding = NamedSharding(mesh, spec)
+  return {"params": {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=sharding)}, "step": 0}
+
+
+def _manager(path, **options) -> ocp.CheckpointManager:
+  return ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(**options))
+
+
+def _steps_on_disk(path) -> list[int]:
+  return sorted(int(name) for name in os.listdir(path) if name.isdigit())
+
+
+def test_keeps_the_last_n_and_each_step_is_a_ucp_checkpoint(tmp_path, devices):
+  with _manager(tmp_path, max_to_keep=2) as manager:
+    for step in range(5):
+      assert manager.save(step, args=UcpSave(_state(devices, step), step=step))
+    manager.wait_until_finished()
+    assert manager.all_steps() == [3, 4]
+    assert manager.latest_step() == 4
+  assert _steps_on_disk(tmp_path) == [3, 4]
+  ckpt = ucp_jax.open(tmp_path / "4" / "default")  # a plain ucp_jax checkpoint
+  assert ckpt.step == 4
+  assert ckpt.keys() == ["params/w", "step"]
+  np.testing.assert_array_equal(ckpt.read("params/w"), np.arange(32.0).reshape(8, 4) + 4)
+  # Orbax adds its commit_success.txt to the item; the rest is ours.
+  assert {"manifest.json", "params", "step", "zarr.json"} <= set(
+    os.listdir(tmp_path / "4" / "default")
+  )
+
+
+def test_saves_every_k_steps(tmp_path, devices):
+  with _manager(tmp_path, save_interval_steps=3, enable_async_checkpointing=False) as manager:
+    saved = [
+      step
+      for step in range(8)
+      if manager.save(step, args=UcpSave(_state(devices, step), step=step))
+    ]
+    assert saved == [0, 3, 6]
+    assert manager.all_steps() == [0, 3, 6]
+    assert [manager.should_save(step) for step in (8, 9)] == [False, True]
+
+
+def test_resumes_from_the_latest_step_after_preemption(tmp_path, devices):
+  """A new manager on the same directory finds the last committed step; a partial one is ignored."""
+  with _manager(tmp_path) as manager:
+    for step in (10, 20):
+      state = _state(devices, step)
+      manager.save(
+        step,
+        args=ocp.args.Composite(
+          state=UcpSave(state, step=step), data=ocp.args.JsonSave({"position": step * 7})
+        ),
+      )
+    manager.wait_until_finished()
+  # The job is killed during the save of step 30: a partial temporary step directory remains.
+  partial = tmp_path / "30.orbax-checkpoint-tmp" / "state.orbax-checkpoint-tmp"
+  partial.mkdir(parents=True)
+  (partial / "zarr.json").write_text("{}")
+
+  mesh = jax.make_mesh((8,), ("d",), devices=devices)
+  with _manager(tmp_path) as resumed:  # the restarted job
+    step = resumed.latest_step()
+    assert step == 20
+    restored = resumed.restore(
+      step,
+      args=ocp.args.Composite(state=UcpRestore(_target(mesh, P("d"))), data=ocp.args.JsonRestore()),
+    )
+  assert restored.data == {"position": 140}
+  assert restored.state["step"] == 20
+  np.testing.assert_array_equal(restored.state["params"]["w"], np.arange(32.0).reshape(8, 4) + 20)
+
+
+def test_async_save_through_the_manager_overlaps_training(tmp_path, devices, monkeypatch):
+  started, release = threading.Event(), threading.Event()
+
+  def held(self, entries, max_host_bytes):
+    started.set()
+    assert release.wait(30)
+    _WRITE(self, entries, max_host_bytes)
+
+  monkeypatch.setattr(_save.Writer, "_write_entries", held)
+  state = _state(devices, 5)
+  with _manager(tmp_path, enable_async_checkpointing=True) as manager:
+    try:
+      assert manager.save(5, args=UcpSave(state, step=5))  # returns once state is on the host
+      assert started.wait(10)
+      w = jax.jit(lambda w: w * 0 - 1, donate_argnums=0)(state["params"]["w"])
+      jax.block_until_ready(w)
+      assert state["params"]["w"].is_deleted()  # donated while the save is in flight
+      assert not (tmp_path / "5").exists()  # not committed yet
+    finally:
+      release.set()
+    manager.wait_until_finished()
+    assert manager.latest_step() == 5
+  np.testing.assert_array_equal(
+    ucp_jax.open(tmp_path / "5" / "default").read("params/w"), np.arange(32.0).reshape(8, 4) + 5
+  )
+
+
+def test_failed_async_save_raises_and_keeps_the_earlier_steps(tmp_path, devices, monkeypatch):
+  with _manager(tmp_path) as manager:
+    manager.save(1, args=UcpSave(_state(devices, 1), step=1))
+    manager.wait_until_finished()
+
+    def broken(self, entries, max_host_bytes):
+      raise OSError("injected: disk full")
+
+    monkeypatch.setattr(_save.Writer, "_write_entries", broken)
+    manager.save(2, args=UcpSave(_state(devices, 2), step=2))
+    with pytest.raises(OSError, match="injected: disk full"):
+      manager.wait_until_finished()
+  monkeypatch.undo()
+  with _manager(tmp_path) as resumed:
+    assert resumed.all_steps() == [1]
+  assert ucp_jax.open(tmp_path / "1" / "default").step == 1
+
+
+def test_restores_onto_another_mesh_through_the_manager(tmp_path, devices):
+  with _manager(tmp_path, enable_async_checkpointing=False) as manager:
+    manager.save(3, args=UcpSave(_state(devices, 3), step=3))
+  mesh = jax.make_mesh((2, 4), ("data", "model"), devices=devices)
+  target = _target(mesh, P("model", "data"))
+  with _manager(tmp_path) as manager:
+    restored = manager.restore(manager.latest_step(), args=UcpRestore(target))
+    metadata = manager.item_metadata(3)
+  w = restored["params"]["w"]
+  assert w.sharding == target["params"]["w"].sharding
+  np.testing.assert_array_equal(w, np.arange(32.0).reshape(8, 4) + 3)
+  for shard in w.addressable_shards:  # each device holds its (2, 2) block
+    assert shard.data.shape == (2, 2)
+  assert metadata.step == 3 and metadata.arrays["params/w"].shape == (8, 4)
+
+
+def test_outside_a_manager_through_a_composite_checkpointer(tmp_path, devices):
+  checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+  args = ocp.args.Composite(state=UcpSave(_state(devices, 4), metadata={"run": "a"}))
+  checkpointer.save(tmp_path / "ckpt", args=args)
+  assert ucp_jax.open(tmp_path / "ckpt" / "state").metadata == {"run": "a"}
+  want = np.arange(32.0).reshape(8, 4) + 4
+  only_params = UcpRestore({"w": np.zeros((8, 4), np.float32)}, subtree="params")
+  restored = checkpointer.restore(tmp_path / "ckpt", args=ocp.args.Composite(state=only_params))
+  np.testing.assert_array_equal(restored.state["w"], want)
+  untargeted = checkpointer.restore(tmp_path / "ckpt", args=ocp.args.Composite(state=UcpRestore()))
+  assert untargeted.state["step"] == 4
+  checkpointer.close()
+
+
+def test_refuses_a_directory_that_orbax_has_written_into(tmp_path):
+  checkpointer = ocp.Checkpointer(UcpCheckpointHandler())  # puts _CHECKPOINT_METADATA first
+  with pytest.raises(
+    ucp_jax.CheckpointExistsError, match=r"holds \['_CHECKPOINT_METADATA'\]. Use it for an item"
+  ):
+    checkpointer.save(tmp_path / "ckpt", args=UcpSave({"x": np.ones(2)}))
+  checkpointer.close()
