@@ -61,10 +61,19 @@ def test_round_trip_random_layouts(tmp_path_factory, src, dst_mesh, seed, chunk_
   ucp_jax.save(path, {"x": x}, chunk_bytes=chunk_bytes)
   # Restore replicated onto another mesh, and sharded like the source on a fresh mesh object.
   mesh2 = jax.make_mesh(*dst_mesh)
-  for sharding in (
+  sizes = dict(zip(dst_mesh[1], dst_mesh[0]))
+  free, other = list(mesh2.axis_names), []
+  for d in shape:  # shard some dimensions over an unused axis that divides them
+    axis = next((a for a in free if d % sizes[a] == 0 and (seed + len(other)) % 2), None)
+    if axis is not None:
+      free.remove(axis)
+    other.append(axis)
+  shardings = (
     NamedSharding(mesh2, P()),
+    NamedSharding(mesh2, P(*other)),
     NamedSharding(jax.make_mesh(mesh_shape, names), spec),
-  ):
+  )
+  for sharding in shardings:
     out = ucp_jax.restore(path, {"x": jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)})["x"]
     for shard in out.addressable_shards:
       np.testing.assert_array_equal(np.asarray(shard.data), data[shard.index])

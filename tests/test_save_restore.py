@@ -343,3 +343,12 @@ def test_reshard_keys_and_one_sharding_for_all():
   out = ucp_jax.reshard({"k": keys, "w": jnp.ones(8)}, dst)
   np.testing.assert_array_equal(jax.random.key_data(out["k"]), jax.random.key_data(keys))
   assert out["w"].sharding == dst
+
+
+def test_restore_slices_smaller_than_a_chunk(tmp_path):
+  data = np.arange(10, dtype=np.int32)
+  ucp_jax.save(tmp_path / "c", {"v": data})  # one chunk of 10
+  mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+  out = ucp_jax.restore(tmp_path / "c", {"v": NamedSharding(mesh, P("x"))})["v"]
+  for shard in out.addressable_shards:
+    np.testing.assert_array_equal(np.asarray(shard.data), data[shard.index])

@@ -149,7 +149,7 @@ def _read_chunk(array_dir, key, index, regions, outs, users, dtype, chunks, shap
   path = chunk_path(array_dir, index)
   chunk = _chunk_region(index, chunks, shape)
   full = tuple(chunk) == tuple(slice(i * c, (i + 1) * c) for i, c in zip(index, chunks))
-  if len(users) == 1 and full:
+  if len(users) == 1 and full and _overlap(chunk, regions[users[0]]) == chunk:
     target = outs[users[0]][_local(chunk, regions[users[0]])]
     if target.flags.c_contiguous:
       _read_into(path, key, target)
