@@ -352,3 +352,25 @@ def test_restore_slices_smaller_than_a_chunk(tmp_path):
   out = ucp_jax.restore(tmp_path / "c", {"v": NamedSharding(mesh, P("x"))})["v"]
   for shard in out.addressable_shards:
     np.testing.assert_array_equal(np.asarray(shard.data), data[shard.index])
+
+
+def test_local_zstd_round_trip_and_both_read_paths_agree(tmp_path, monkeypatch):
+  from ucp_jax import _direct
+
+  data = _data((64, 16))
+  sharding = NamedSharding(MESHES["2x4"](), P("x", "y"))
+  ucp_jax.save(tmp_path / "z", {"w": jax.device_put(data, sharding)}, compression="zstd")
+  assert ucp_jax.open(tmp_path / "z")["w"].compression == "zstd"
+  target = {"w": jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding)}
+  np.testing.assert_array_equal(np.asarray(ucp_jax.restore(tmp_path / "z", target)["w"]), data)
+  ucp_jax.save(tmp_path / "raw", {"w": data})  # written by the direct path
+  monkeypatch.setattr(_direct, "ENABLED", False)
+  ucp_jax.save(tmp_path / "ts", {"w": data})  # written by TensorStore
+  for name in ("raw", "ts"):
+    np.testing.assert_array_equal(np.asarray(ucp_jax.restore(tmp_path / name, target)["w"]), data)
+  raw_files = sorted(p.relative_to(tmp_path / "raw") for p in (tmp_path / "raw").rglob("c/*"))
+  ts_files = sorted(p.relative_to(tmp_path / "ts") for p in (tmp_path / "ts").rglob("c/*"))
+  assert raw_files == ts_files
+  for f in (tmp_path / "raw").rglob("*"):
+    if f.is_file() and "c" in f.relative_to(tmp_path / "raw").parts[1:2]:
+      assert f.read_bytes() == (tmp_path / "ts" / f.relative_to(tmp_path / "raw")).read_bytes()

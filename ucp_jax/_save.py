@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ucp_jax import _commit, _errors, _manifest, _multihost, _store, _tree
+from ucp_jax import _commit, _direct, _errors, _manifest, _multihost, _store, _tree
 
 DEFAULT_HOST_BYTES = 1 << 30
 """Default bound on host memory held by array data in flight during a save or restore."""
@@ -157,6 +157,7 @@ class Writer:
     self._primary = _multihost.is_primary()
     self._lock: _commit.Lock | None = None
     self._stores: dict[str, Any] = {}
+    self._arrays: dict[str, _manifest.ArrayInfo] = {}
     self.staging: _store.Location | None = None
 
   def __enter__(self) -> Writer:
@@ -188,6 +189,9 @@ class Writer:
 
   def create(self, arrays: dict[str, _manifest.ArrayInfo], *, compression: str | None) -> None:
     """Creates every array (process 0), then opens them on the other processes."""
+    self._arrays = {
+      key: dataclasses.replace(info, compression=compression) for key, info in arrays.items()
+    }
     if self._primary:
       self._together("creating the arrays", self._create, arrays, compression)
     else:
@@ -230,21 +234,39 @@ class Writer:
         held -= n
       host = np.asarray(data)
       immutable = isinstance(data, jax.Array) or entry.owned is not None  # never changes
-      future = self._stores[entry.key][index].write(
-        host, can_reference_source_data_indefinitely=immutable
-      )
-      pending.append((future.commit, nbytes))
+      pending.append((self._write(entry.key, host, index, immutable), nbytes))
       held += nbytes
     for future, _ in pending:
       future.result()
 
+  def _write(self, key: str, host: np.ndarray, index: tuple[slice, ...], immutable: bool):
+    """Starts writing `host` into the region `index` of `key`; returns something to wait on."""
+    info = self._arrays[key]
+    if self.staging.local_dir is not None and info.compression is None and _direct.ENABLED:
+      futures = _direct.write_region(
+        os.path.join(self.staging.local_dir, key), host, index, info.chunks, info.shape
+      )
+      return _AllOf(futures)
+    return (
+      self._stores[key][index].write(host, can_reference_source_data_indefinitely=immutable).commit
+    )
+
   def write_array(self, key: str, value: np.ndarray, index: tuple[slice, ...] | None = None):
-    """Writes host data into `key` (all of it, or the region `index`); returns a future."""
-    store = self._stores[key]
-    return (store if index is None else store[index]).write(value).commit
+    """Starts writing host data into `key` (all of it, or the chunk-aligned region `index`).
+
+    Returns an object whose `.result()` waits for the write.
+    """
+    if index is None:
+      index = tuple(slice(0, d) for d in self._arrays[key].shape)
+    return self._write(key, np.asarray(value), _normalize(index, self._arrays[key].shape), False)
 
   def commit(self, manifest: _manifest.Manifest) -> None:
     """Writes the manifest and makes the checkpoint visible, once every process is done."""
+    arrays = {
+      k: dataclasses.replace(v, compression=self._arrays[k].compression) if k in self._arrays else v
+      for k, v in manifest.arrays.items()
+    }
+    manifest = dataclasses.replace(manifest, arrays=arrays)
     self._together("writing", lambda: None)
     if self._primary:
       self._together("the commit", _commit.commit, self.staging, self.target, manifest.to_bytes())
@@ -275,6 +297,17 @@ def _together(sync: _multihost.Sync, target: _store.Location, what: str, fn, *ar
       raise error
     raise _errors.UcpError(f"{target}: {what} failed on another process (see its log)")
   return result
+
+
+class _AllOf:
+  """Waits for several futures as one."""
+
+  def __init__(self, futures):
+    self._futures = futures
+
+  def result(self):
+    for f in self._futures:
+      f.result()
 
 
 def _owned_shards(entries: list[_Entry], primary: bool) -> Iterator[tuple[_Entry, tuple, Any]]:
