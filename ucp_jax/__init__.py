@@ -8,6 +8,7 @@ mesh, restore onto any other, and convert PyTorch/DeepSpeed checkpoints in and o
 from ucp_jax._async import SaveHandle as SaveHandle
 from ucp_jax._async import save_async as save_async
 from ucp_jax._async import wait_until_finished as wait_until_finished
+from ucp_jax import rules as rules
 from ucp_jax._errors import CheckpointExistsError as CheckpointExistsError
 from ucp_jax._errors import CheckpointNotFoundError as CheckpointNotFoundError
 from ucp_jax._errors import ConcurrentWriteError as ConcurrentWriteError
@@ -53,6 +54,7 @@ __all__ = [
   "UnsupportedLeafError",
   "open",
   "reshard",
+  "rules",
   "restore",
   "save",
   "save_async",

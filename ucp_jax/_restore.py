@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -13,6 +13,9 @@ import tensorstore as ts
 
 from ucp_jax import _direct, _errors, _hostmem, _reader, _save, _tree
 from ucp_jax._manifest import ArrayInfo
+
+if TYPE_CHECKING:
+  from ucp_jax._mapping import RuleSet
 
 _PY_TYPES = {"bool": bool, "int": int, "float": float, "complex": complex}
 
@@ -37,6 +40,7 @@ def restore(
   subtree: str | None = None,
   partial: bool = False,
   cast: bool = False,
+  mapping: RuleSet | None = None,
   max_host_bytes: int = _save.DEFAULT_HOST_BYTES,
 ) -> Any:
   """Restores a checkpoint onto the layout `target` describes.
@@ -65,16 +69,22 @@ def restore(
       `target` then describes that subtree.
     partial: allow the checkpoint to hold keys that `target` does not ask for.
     cast: convert stored dtypes to the target's; without it a dtype difference is an error.
+    mapping: a `ucp_jax.rules.RuleSet` that renames and re-lays-out the stored arrays
+      (below `subtree`, when given) into the target's keys, e.g. a torch state dict
+      into a Flax model; devices still read only their slices.
     max_host_bytes: bound on array bytes held in host memory at once.
 
   Raises:
     CheckpointNotFoundError, ManifestError: no readable checkpoint at `path`.
     TreeMismatchError: keys missing from the checkpoint, or unexpected ones (all listed).
+    MappingError: names or layouts that `mapping` cannot carry (all listed).
     ShapeMismatchError, DtypeMismatchError, ShardingError: per key, all listed.
     CorruptCheckpointError: a chunk fails its checksum.
   """
   ckpt = _reader.open(path)
   prefix = (subtree or "").strip("/")
+  if mapping is not None:
+    ckpt = mapping.view(ckpt, subtree=prefix, partial=partial)
   if target is None:
     return _restore_untargeted(ckpt, prefix, max_host_bytes)
   flat, unflatten = _tree.flatten(target, prefix=prefix)
@@ -151,14 +161,16 @@ def _validate(
       f"{ckpt.location}: target and checkpoint keys differ:\n" + _errors.bullet_list(lines)
     )
   shapes, dtypes, shardings = [], [], []
+  describe = getattr(ckpt, "describe", None)  # a mapped view says where a key comes from
   for key, want in wants.items():
     info = stored[key]
     shape = _logical_shape(info)
+    origin = f" ({describe(key)})" if describe is not None else ""
     if want.shape is not None and want.shape != shape:
-      shapes.append(f"{key}: shape {want.shape} in target, {shape} in checkpoint")
+      shapes.append(f"{key}: shape {want.shape} in target, {shape} in checkpoint{origin}")
     problem = _dtype_problem(want, info, cast)
     if problem:
-      dtypes.append(f"{key}: {problem}")
+      dtypes.append(f"{key}: {problem}{origin}")
     if want.sharding is not None:
       problem = _sharding_problem(want.sharding, shape)
       if problem:

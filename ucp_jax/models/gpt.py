@@ -1,0 +1,123 @@
+"""A small GPT-2 in Flax NNX: pre-LN blocks, tanh GELU, causal attention, learned positions.
+
+Its twin in PyTorch is `ucp_jax.models.gpt_torch.TorchGPT`; `ucp_jax.rules.gpt2`
+maps the torch state dict onto `nnx.state(FlaxGPT(...))` and back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ucp_jax.models._common import Projection, causal_attention, tp_target
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+  vocab_size: int = 256
+  max_len: int = 64
+  num_layers: int = 2
+  num_heads: int = 4
+  d_model: int = 64
+  eps: float = 1e-5
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.num_heads
+
+
+class Attention(nnx.Module):
+  def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+    d, h, k = cfg.d_model, cfg.num_heads, cfg.head_dim
+    self.qkv = Projection("btd,dshk->btshk", (d, 3, h, k), (3, h, k), rngs=rngs)
+    self.proj = Projection("bthk,hkd->btd", (h, k, d), (d,), rngs=rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    qkv = self.qkv(x)
+    return self.proj(causal_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]))
+
+
+class MLP(nnx.Module):
+  def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+    self.fc = nnx.Linear(cfg.d_model, 4 * cfg.d_model, rngs=rngs)
+    self.proj = nnx.Linear(4 * cfg.d_model, cfg.d_model, rngs=rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return self.proj(jax.nn.gelu(self.fc(x), approximate=True))
+
+
+class Block(nnx.Module):
+  def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+    self.ln_1 = nnx.LayerNorm(cfg.d_model, epsilon=cfg.eps, rngs=rngs)
+    self.attn = Attention(cfg, rngs=rngs)
+    self.ln_2 = nnx.LayerNorm(cfg.d_model, epsilon=cfg.eps, rngs=rngs)
+    self.mlp = MLP(cfg, rngs=rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x = x + self.attn(self.ln_1(x))
+    return x + self.mlp(self.ln_2(x))
+
+
+class FlaxGPT(nnx.Module):
+  """Token ids `[batch, time]` -> logits `[batch, time, vocab]`; the output layer is `wte`.
+
+  With `scan=True` the blocks are one stacked module (a leading layer axis on every
+  parameter) run by `nnx.scan`; otherwise `blocks` is a list.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from ucp_jax.models.gpt import FlaxGPT, GPTConfig
+    >>> model = FlaxGPT(GPTConfig(num_layers=1), rngs=nnx.Rngs(0))
+    >>> model(jnp.zeros((2, 5), jnp.int32)).shape
+    (2, 5, 256)
+  """
+
+  def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs, scan: bool = False):
+    self.scan = scan
+    self.wte = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs)
+    self.wpe = nnx.Embed(cfg.max_len, cfg.d_model, rngs=rngs)
+    if scan:
+
+      @nnx.split_rngs(splits=cfg.num_layers)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def make(rngs):
+        return Block(cfg, rngs=rngs)
+
+      self.blocks = make(rngs)
+    else:
+      self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.ln_f = nnx.LayerNorm(cfg.d_model, epsilon=cfg.eps, rngs=rngs)
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    x = self.wte(tokens) + self.wpe(jnp.arange(tokens.shape[1]))[None]
+    if self.scan:
+
+      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+      def run(x, block):
+        return block(x)
+
+      x = run(x, self.blocks)
+    else:
+      for block in self.blocks:
+        x = block(x)
+    return self.wte.attend(self.ln_f(x))
+
+
+TP_TABLE = {
+  "attn/qkv/kernel": (None, None, "tp", None),
+  "attn/qkv/bias": (None, "tp", None),
+  "attn/proj/kernel": ("tp", None, None),
+  "mlp/fc/kernel": (None, "tp"),
+  "mlp/fc/bias": ("tp",),
+  "mlp/proj/kernel": ("tp", None),
+}
+
+
+def tp_state(state, mesh: jax.sharding.Mesh, *, axis: str = "model"):
+  """`state` (e.g. `nnx.state(nnx.eval_shape(...))`) as a restore target, Megatron-style:
+  attention heads and the MLP's hidden units split over `axis`, the rest replicated."""
+  return tp_target(state, mesh, TP_TABLE, axis)
