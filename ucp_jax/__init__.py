@@ -30,6 +30,8 @@ from ucp_jax._reader import open as open
 from ucp_jax._reshard import reshard as reshard
 from ucp_jax._restore import restore as restore
 from ucp_jax._save import save as save
+from ucp_jax._train_state import restore_train_state as restore_train_state
+from ucp_jax._train_state import save_train_state as save_train_state
 
 __version__ = "0.1.0"
 
@@ -56,7 +58,9 @@ __all__ = [
   "reshard",
   "rules",
   "restore",
+  "restore_train_state",
   "save",
   "save_async",
+  "save_train_state",
   "wait_until_finished",
 ]

@@ -108,12 +108,14 @@ def wait_read(location: _store.Location, key: str, future: ts.Future) -> np.ndar
     ) from e
 
 
-def open(path: str | os.PathLike) -> Checkpoint:
+def open(path: str | os.PathLike | Checkpoint) -> Checkpoint:
   """Opens a committed checkpoint read-only.
 
   Raises:
     CheckpointNotFoundError: no committed checkpoint at `path`.
     ManifestError: the manifest is truncated, foreign or of a newer format.
   """
+  if isinstance(path, Checkpoint):  # already open (or a mapped view of one)
+    return path
   location = _store.resolve(path)
   return Checkpoint(location, _manifest.read(location))

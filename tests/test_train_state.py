@@ -1,0 +1,202 @@
+"""save_train_state / restore_train_state: Flax NNX and Linen with Optax slots, across meshes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ucp_jax
+from ucp_jax.models import gpt
+
+
+def _mesh(shape, names):
+  return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
+
+
+class MLP(nnx.Module):
+  def __init__(self, rngs):
+    self.fc1 = nnx.Linear(8, 16, rngs=rngs)
+    self.norm = nnx.BatchNorm(16, rngs=rngs)
+    self.fc2 = nnx.Linear(16, 4, rngs=rngs)
+
+  def __call__(self, x):
+    return self.fc2(jax.nn.relu(self.norm(self.fc1(x), use_running_average=True)))
+
+
+def _train(model, opt, steps, seed=0):
+  @nnx.jit
+  def step(model, opt, x, y):
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+    opt.update(model, grads)
+    return loss
+
+  losses = []
+  for i in range(steps):
+    key = jax.random.fold_in(jax.random.key(seed), i)
+    x = jax.random.normal(key, (8, 8))
+    losses.append(float(step(model, opt, x, jnp.sin(x[:, :4]))))
+  return losses
+
+
+TXS = {
+  "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+  "chain": lambda: optax.chain(
+    optax.clip_by_global_norm(1.0),
+    optax.inject_hyperparams(optax.adamw)(
+      learning_rate=optax.linear_schedule(1e-2, 1e-3, 10), weight_decay=0.01
+    ),
+  ),
+  "adam_decay": lambda: optax.chain(optax.add_decayed_weights(1e-3), optax.adam(1e-2)),
+  "sgd": lambda: optax.sgd(1e-2, momentum=0.9),
+}
+
+
+@pytest.mark.parametrize("tx", list(TXS))
+def test_nnx_save_restore_continue_on_another_mesh(tmp_path, tx):
+  model = MLP(nnx.Rngs(0))
+  opt = nnx.Optimizer(model, TXS[tx](), wrt=nnx.Param)
+  _train(model, opt, 3)
+  ucp_jax.save_train_state(tmp_path / "c", model, opt, hyperparams={"lr": 1e-2})
+  schema = ucp_jax.open(tmp_path / "c").manifest.schema
+  slots = schema["params"]["fc1/kernel"]["slots"]
+  assert set(slots) == ({"momentum"} if tx == "sgd" else {"exp_avg", "exp_avg_sq"})
+  assert "norm/mean" in schema["buffers"] and schema["params"]["norm/scale"]["frozen"] is False
+  if tx != "sgd":
+    assert schema["optimizer"]["step"] == 3
+  expected = _train(model, opt, 2, seed=1)
+
+  mesh = _mesh((2, 4), ("data", "model"))
+  fresh = MLP(nnx.Rngs(7))
+  fresh_opt = nnx.Optimizer(fresh, TXS[tx](), wrt=nnx.Param)
+  shard = lambda x: jax.device_put(
+    x, NamedSharding(mesh, P("model") if x.ndim == 1 and x.shape[0] % 4 == 0 else P())
+  )
+  nnx.update(fresh, jax.tree.map(shard, nnx.state(fresh)))
+  nnx.update(fresh_opt, jax.tree.map(shard, nnx.state(fresh_opt)))
+  ucp_jax.restore_train_state(tmp_path / "c", fresh, fresh_opt)
+  assert fresh.fc1.bias[...].sharding.spec == P("model")
+  np.testing.assert_allclose(_train(fresh, fresh_opt, 2, seed=1), expected, rtol=1e-6)
+
+
+def test_schema_records_hyperparams_from_inject_hyperparams(tmp_path):
+  model = MLP(nnx.Rngs(0))
+  opt = nnx.Optimizer(model, TXS["chain"](), wrt=nnx.Param)
+  _train(model, opt, 1)
+  ucp_jax.save_train_state(tmp_path / "c", model, opt)
+  group = ucp_jax.open(tmp_path / "c").manifest.schema["optimizer"]["groups"][0]
+  assert group["weight_decay"] == pytest.approx(0.01) and group["betas"] == [0.9, 0.999]
+  assert group["lr"] == pytest.approx(1e-2)  # what the schedule gave the step just taken
+
+
+def test_linen_train_state(tmp_path):
+  import flax.linen as nn
+  from flax.training import train_state
+
+  module = nn.Dense(4)
+  params = module.init(jax.random.key(0), jnp.ones((1, 3)))
+  state = train_state.TrainState.create(apply_fn=module.apply, params=params, tx=optax.adam(1e-2))
+  grads = jax.tree.map(jnp.ones_like, params)
+  state = state.apply_gradients(grads=grads)
+  ucp_jax.save_train_state(tmp_path / "c", state)
+  schema = ucp_jax.open(tmp_path / "c").manifest.schema
+  assert schema["params"]["params/kernel"]["slots"]["exp_avg"] == "opt_state/0/mu/params/kernel"
+  blank = train_state.TrainState.create(
+    apply_fn=module.apply, params=jax.tree.map(jnp.zeros_like, params), tx=optax.adam(1e-2)
+  )
+  restored = ucp_jax.restore_train_state(tmp_path / "c", blank)
+  assert int(restored.step) == 1
+  np.testing.assert_array_equal(
+    restored.params["params"]["kernel"], state.params["params"]["kernel"]
+  )
+  np.testing.assert_array_equal(
+    restored.opt_state[0].nu["params"]["bias"], state.opt_state[0].nu["params"]["bias"]
+  )
+
+
+def _converted_gpt(tmp_path, cfg, step=5):
+  """A torch-named checkpoint in the converter's schema, made from a Flax GPT's state."""
+  rules = ucp_jax.rules.gpt2(num_heads=cfg.num_heads)
+  model = gpt.FlaxGPT(cfg, rngs=nnx.Rngs(3))
+  torch_named = rules.export_arrays(nnx.state(model, nnx.Param))
+  rng = np.random.default_rng(0)
+  mu = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in torch_named.items()}
+  nu = {k: np.abs(rng.standard_normal(v.shape)).astype(np.float32) for k, v in torch_named.items()}
+  names = [k for k in torch_named if k != "lm_head.weight"]
+  schema = {
+    "version": 1,
+    "naming": "torch",
+    "params": {
+      n: {
+        "value": f"params/{n}",
+        "slots": {"exp_avg": f"exp_avg/{n}", "exp_avg_sq": f"exp_avg_sq/{n}"},
+        "group": 0,
+        "frozen": False,
+      }
+      for n in names
+    },
+    "buffers": {},
+    "optimizer": {
+      "type": "adamw",
+      "step": step,
+      "groups": [{"lr": 1e-3, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.1}],
+    },
+  }
+  tree = {
+    "params": {n: torch_named[n] for n in names},
+    "exp_avg": {n: mu[n] for n in names},
+    "exp_avg_sq": {n: nu[n] for n in names},
+  }
+  ucp_jax.save(tmp_path / "conv", tree, schema=schema, step=step)
+  return rules, model, mu, nu
+
+
+def test_restore_converted_torch_checkpoint_into_nnx_on_tensor_parallel_mesh(tmp_path):
+  cfg = gpt.GPTConfig(vocab_size=32, max_len=8, num_layers=2, num_heads=4, d_model=16)
+  rules, source, mu, nu = _converted_gpt(tmp_path, cfg)
+  mesh = _mesh((2, 4), ("data", "model"))
+  model = gpt.FlaxGPT(cfg, rngs=nnx.Rngs(9))
+  opt = nnx.Optimizer(model, optax.adamw(1e-3, b2=0.99, weight_decay=0.1), wrt=nnx.Param)
+  target = gpt.tp_state(nnx.state(model), mesh)
+  nnx.update(
+    model, jax.tree.map(lambda t: jax.device_put(np.zeros(t.shape, t.dtype), t.sharding), target)
+  )
+  ucp_jax.restore_train_state(tmp_path / "conv", model, opt, rules=rules)
+  for (path, a), b in zip(
+    jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)),
+    jax.tree.leaves(nnx.state(source, nnx.Param)),
+  ):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(path))
+  assert int(opt.opt_state[0].count[...]) == 5 and int(opt.step[...]) == 5
+  flax_mu = rules.import_arrays(mu)
+  np.testing.assert_array_equal(
+    np.asarray(opt.opt_state[0].mu["blocks"][1]["mlp"]["fc"]["kernel"][...]),
+    flax_mu["blocks/1/mlp/fc/kernel"],
+  )
+  flax_nu = rules.import_arrays(nu)
+  np.testing.assert_array_equal(
+    np.asarray(opt.opt_state[0].nu["wte"]["embedding"][...]), flax_nu["wte/embedding"]
+  )
+
+
+def test_converted_checkpoint_problems_are_listed_at_once(tmp_path):
+  cfg = gpt.GPTConfig(vocab_size=32, max_len=8, num_layers=2, num_heads=4, d_model=16)
+  _converted_gpt(tmp_path, cfg)
+  model = gpt.FlaxGPT(cfg, rngs=nnx.Rngs(9))
+  opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+  with pytest.raises(ucp_jax.MappingError, match="rules="):
+    ucp_jax.restore_train_state(tmp_path / "conv", model, opt)
+  bigger = gpt.FlaxGPT(
+    gpt.GPTConfig(vocab_size=32, max_len=8, num_layers=3, num_heads=4, d_model=16), rngs=nnx.Rngs(0)
+  )
+  opt = nnx.Optimizer(bigger, optax.adamw(1e-3), wrt=nnx.Param)
+  with pytest.raises(ucp_jax.MappingError) as e:
+    ucp_jax.restore_train_state(
+      tmp_path / "conv", bigger, opt, rules=ucp_jax.rules.gpt2(num_heads=4)
+    )
+  message = str(e.value)
+  for subtree in ("params", "exp_avg", "exp_avg_sq"):
+    assert f"blocks/2/mlp/fc/kernel: no `{subtree}` for it in the checkpoint" in message

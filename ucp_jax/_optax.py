@@ -1,0 +1,127 @@
+"""Optax optimizer state <-> the universal slots (`exp_avg`, `exp_avg_sq`, `momentum`, `step`).
+
+Works on key paths, so it reads Flax NNX (`nnx.state(optimizer)`) and Linen
+(`TrainState.opt_state`) alike: for a parameter at key `P`, Adam's first moment is the
+key ending in `mu/P` and its second in `nu/P` (`ScaleByAdamState`, wherever it sits
+in a chain, under `inject_hyperparams`, ...), SGD momentum the key ending in `trace/P`.
+Each distinct optimizer state holding slots is one parameter group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from ucp_jax import _errors
+
+_SLOTS = {"mu": "exp_avg", "nu": "exp_avg_sq", "trace": "momentum"}
+_HYPER_NAMES = {
+  "learning_rate": "lr",
+  "eps": "eps",
+  "weight_decay": "weight_decay",
+  "momentum": "momentum",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+  """One optimizer state that holds slots: a parameter group."""
+
+  prefix: str  # key of the state, e.g. "optimizer/opt_state/1/inner_state/0"
+  kind: str  # "adam" or "sgd"
+  count_key: str | None
+  hyperparams_prefix: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotMap:
+  """Where each parameter's slots live in a flattened optimizer state."""
+
+  groups: list[Group]
+  slots: dict[str, dict[str, str]]  # param key (relative) -> {slot name: state key}
+  group_of: dict[str, int]  # param key (relative) -> group index
+
+
+def find_slots(param_keys: list[str], opt_keys: list[str]) -> SlotMap:
+  """Locates every parameter's slots among the optimizer state's keys.
+
+  `param_keys` are relative to the parameter tree (`fc1/kernel`), as they appear again
+  below `mu/`, `nu/` or `trace/` in the optimizer state.
+  """
+  by_suffix: dict[str, list[tuple[str, str]]] = {}
+  for key in opt_keys:
+    parts = key.split("/")
+    for i, part in enumerate(parts[:-1]):
+      if part in _SLOTS:
+        by_suffix.setdefault("/".join(parts[i + 1 :]), []).append(("/".join(parts[:i]), part))
+  groups: list[Group] = []
+  index: dict[str, int] = {}
+  slots: dict[str, dict[str, str]] = {}
+  group_of: dict[str, int] = {}
+  opt_set = set(opt_keys)
+  for param in param_keys:
+    for prefix, slot in by_suffix.get(param, []):
+      if prefix not in index:
+        index[prefix] = len(groups)
+        groups.append(_group(prefix, slot, opt_set))
+      slots.setdefault(param, {})[_SLOTS[slot]] = f"{prefix}/{slot}/{param}"
+      group_of[param] = index[prefix]
+  return SlotMap(groups, slots, group_of)
+
+
+def _group(prefix: str, slot: str, opt_keys: set[str]) -> Group:
+  count = f"{prefix}/count"
+  hyper = None
+  parts = prefix.split("/")
+  for i in range(len(parts), 0, -1):  # the nearest inject_hyperparams state above this one
+    candidate = "/".join(parts[:i]) + "/hyperparams"
+    if any(k.startswith(candidate + "/") for k in opt_keys):
+      hyper = candidate
+      break
+  kind = "sgd" if slot == "trace" else "adam"
+  return Group(prefix, kind, count if count in opt_keys else None, hyper)
+
+
+def group_hyperparams(group: Group, flat: dict[str, Any]) -> dict:
+  """Hyperparameters a group's `inject_hyperparams` state records, in torch's names."""
+  if group.hyperparams_prefix is None:
+    return {}
+  out: dict[str, Any] = {}
+  values = {
+    k[len(group.hyperparams_prefix) + 1 :]: _shortest_float(v)
+    for k, v in flat.items()
+    if k.startswith(group.hyperparams_prefix + "/")
+  }
+  for name, torch_name in _HYPER_NAMES.items():
+    if name in values:
+      out[torch_name] = values[name]
+  if "b1" in values and "b2" in values:
+    out["betas"] = [values["b1"], values["b2"]]
+  return out
+
+
+def _shortest_float(value: Any) -> float:
+  """A float32 hyperparameter as the shortest decimal that rounds to it (0.01, not 0.0099...)."""
+  x = np.asarray(value)
+  return float(str(x[()])) if x.dtype == np.float32 else float(x)
+
+
+def step_of(slots: SlotMap, flat: dict[str, Any]) -> int | None:
+  """The optimizer step: Adam's bias-correction count (the same in every group)."""
+  counts = {int(np.asarray(flat[g.count_key])) for g in slots.groups if g.count_key in flat}
+  if len(counts) > 1:
+    raise _errors.MappingError(f"parameter groups disagree on the step count: {sorted(counts)}")
+  return counts.pop() if counts else None
+
+
+def check_needs(slots: SlotMap, params: list[str], stored_slots: dict[str, set[str]]) -> list[str]:
+  """Problems restoring `stored_slots` (param -> slot names on disk) into this optimizer."""
+  problems = []
+  for param in params:
+    needed = set(slots.slots.get(param, {}))
+    missing = needed - stored_slots.get(param, set())
+    if missing:
+      problems.append(f"{param}: the optimizer needs {sorted(missing)}, the checkpoint has none")
+  return problems
