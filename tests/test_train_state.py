@@ -72,9 +72,10 @@ def test_nnx_save_restore_continue_on_another_mesh(tmp_path, tx):
   mesh = _mesh((2, 4), ("data", "model"))
   fresh = MLP(nnx.Rngs(7))
   fresh_opt = nnx.Optimizer(fresh, TXS[tx](), wrt=nnx.Param)
-  shard = lambda x: jax.device_put(
-    x, NamedSharding(mesh, P("model") if x.ndim == 1 and x.shape[0] % 4 == 0 else P())
-  )
+  def shard(x):
+    spec = P("model") if x.ndim == 1 and x.shape[0] % 4 == 0 else P()
+    return jax.device_put(x, NamedSharding(mesh, spec))
+
   nnx.update(fresh, jax.tree.map(shard, nnx.state(fresh)))
   nnx.update(fresh_opt, jax.tree.map(shard, nnx.state(fresh_opt)))
   ucp_jax.restore_train_state(tmp_path / "c", fresh, fresh_opt)
