@@ -72,6 +72,7 @@ def test_nnx_save_restore_continue_on_another_mesh(tmp_path, tx):
   mesh = _mesh((2, 4), ("data", "model"))
   fresh = MLP(nnx.Rngs(7))
   fresh_opt = nnx.Optimizer(fresh, TXS[tx](), wrt=nnx.Param)
+
   def shard(x):
     spec = P("model") if x.ndim == 1 and x.shape[0] % 4 == 0 else P()
     return jax.device_put(x, NamedSharding(mesh, spec))
@@ -201,3 +202,42 @@ def test_converted_checkpoint_problems_are_listed_at_once(tmp_path):
   message = str(e.value)
   for subtree in ("params", "exp_avg", "exp_avg_sq"):
     assert f"blocks/2/mlp/fc/kernel: no `{subtree}` for it in the checkpoint" in message
+
+
+def test_flax_train_state_exports_to_deepspeed_names_and_layouts(tmp_path):
+  pytest.importorskip("torch")
+  from ucp_jax import _torch_file
+
+  cfg = gpt.GPTConfig(vocab_size=32, max_len=8, num_layers=2, num_heads=4, d_model=16)
+  rules = ucp_jax.rules.gpt2(num_heads=4)
+  model = gpt.FlaxGPT(cfg, rngs=nnx.Rngs(0))
+  opt = nnx.Optimizer(model, optax.adamw(1e-3, b2=0.99, weight_decay=0.1), wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, opt, tokens):
+    def loss(m):
+      logits = m(tokens[:, :-1])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    _, grads = nnx.value_and_grad(loss)(model)
+    opt.update(model, grads)
+
+  step(model, opt, jax.random.randint(jax.random.key(0), (2, 8), 0, 32))
+  hyper = {"lr": 1e-3, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.1}
+  ucp_jax.save_train_state(tmp_path / "jax", model, opt, hyperparams=hyper)
+  with pytest.raises(ucp_jax.MappingError, match="rules="):
+    ucp_jax.export(tmp_path / "jax", tmp_path / "ds")
+  report = ucp_jax.export(tmp_path / "jax", tmp_path / "ds", rules=rules)
+  assert report.step == 1 and report.tied == {"lm_head.weight": "wte.weight"}
+  zero = tmp_path / "ds" / report.tag / "zero"
+  torch_values = rules.export_arrays(nnx.state(model, nnx.Param))
+  torch_mu = rules.export_arrays(opt.opt_state[0].mu)
+  for name in ("h.1.mlp.fc.weight", "h.0.attn.qkv.weight", "wte.weight", "ln_f.bias"):
+    np.testing.assert_array_equal(
+      _torch_file.load(zero / name / "fp32.pt")["param"], torch_values[name]
+    )
+    np.testing.assert_array_equal(
+      _torch_file.load(zero / name / "exp_avg.pt")["param"], torch_mu[name]
+    )
+  alias = _torch_file.load(zero / "lm_head.weight" / "fp32.pt")["param"]  # the tied alias
+  np.testing.assert_array_equal(alias, torch_values["wte.weight"])

@@ -5,10 +5,12 @@ TensorStore, plus a manifest), never the layout that wrote them: save from any
 mesh, restore onto any other, and convert PyTorch/DeepSpeed checkpoints in and out.
 """
 
+from ucp_jax import rules as rules
 from ucp_jax._async import SaveHandle as SaveHandle
 from ucp_jax._async import save_async as save_async
 from ucp_jax._async import wait_until_finished as wait_until_finished
-from ucp_jax import rules as rules
+from ucp_jax._convert import ConvertReport as ConvertReport
+from ucp_jax._convert import convert as convert
 from ucp_jax._errors import CheckpointExistsError as CheckpointExistsError
 from ucp_jax._errors import CheckpointNotFoundError as CheckpointNotFoundError
 from ucp_jax._errors import ConcurrentWriteError as ConcurrentWriteError
@@ -23,6 +25,8 @@ from ucp_jax._errors import TreeMismatchError as TreeMismatchError
 from ucp_jax._errors import UcpError as UcpError
 from ucp_jax._errors import UnsafePickleError as UnsafePickleError
 from ucp_jax._errors import UnsupportedLeafError as UnsupportedLeafError
+from ucp_jax._export import ExportReport as ExportReport
+from ucp_jax._export import export as export
 from ucp_jax._manifest import ArrayInfo as ArrayInfo
 from ucp_jax._manifest import Manifest as Manifest
 from ucp_jax._reader import Checkpoint as Checkpoint
@@ -41,8 +45,10 @@ __all__ = [
   "CheckpointExistsError",
   "CheckpointNotFoundError",
   "ConcurrentWriteError",
+  "ConvertReport",
   "CorruptCheckpointError",
   "DtypeMismatchError",
+  "ExportReport",
   "Manifest",
   "ManifestError",
   "MappingError",
@@ -54,6 +60,8 @@ __all__ = [
   "UcpError",
   "UnsafePickleError",
   "UnsupportedLeafError",
+  "convert",
+  "export",
   "open",
   "reshard",
   "rules",

@@ -96,6 +96,57 @@ def cmd_verify(args, out: Console, err: Console) -> int:
 
 
 @_command
+def cmd_convert(args, out: Console, err: Console) -> int:
+  from ucp_jax import _convert
+
+  with progress_bar(err) as bar:
+    task = bar.add_task("convert", total=None, item="")
+
+    def on_array(key: str, nbytes: int, total: int) -> None:
+      bar.update(task, total=total, advance=nbytes, item=key)
+
+    report = _convert.convert(args.src, args.dst, overwrite=args.overwrite, progress=on_array)
+  out.print(
+    f"{report.dst}: {report.params} params, {report.arrays} arrays, {_human(report.bytes)}, "
+    f"step {report.step}, in {report.seconds:.2f} s (from {report.format} {report.src})",
+    markup=False,
+  )
+  return 0
+
+
+@_command
+def cmd_export(args, out: Console, err: Console) -> int:
+  from ucp_jax import _export
+
+  with progress_bar(err) as bar:
+    task = bar.add_task("export", total=None, item="")
+
+    def on_item(item: str, nbytes: int, total: int) -> None:
+      bar.update(task, total=total, advance=nbytes, item=item)
+
+    report = _export.export(
+      args.checkpoint,
+      args.dst,
+      format=args.format,
+      zero_stage=args.zero_stage,
+      tag=args.tag,
+      overwrite=args.overwrite,
+      progress=on_item,
+    )
+  stages = "/".join(str(s) for s in report.zero_stages)
+  out.print(
+    f"{report.path}: DeepSpeed universal checkpoint {report.tag} (step {report.step}) for "
+    f"ZeRO-{stages} targets: {report.params} trainable params, {len(report.frozen)} frozen, "
+    f"{len(report.buffers)} buffers, {len(report.tied)} tied; {_human(report.nbytes)} in "
+    f"{report.seconds:.2f} s",
+    markup=False,
+  )
+  for note in report.notes:
+    out.print(f"  note: {note}", markup=False)
+  return 0
+
+
+@_command
 def cmd_demo(args, out: Console, err: Console) -> int:
   from ucp_jax import _demo
 
@@ -113,6 +164,19 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--json", action="store_true", help="machine-readable output")
   p = sub.add_parser("verify", help="read every chunk, check checksums against the manifest")
   p.add_argument("checkpoint")
+  p = sub.add_parser("convert", help="a DeepSpeed checkpoint -> a universal checkpoint")
+  p.add_argument("src", help="DeepSpeed checkpoint folder, tag folder or universal folder")
+  p.add_argument("dst", help="where the universal checkpoint goes")
+  p.add_argument("--overwrite", action="store_true", help="replace a checkpoint at DST")
+  p = sub.add_parser("export", help="a universal checkpoint -> DeepSpeed (load_universal)")
+  p.add_argument("checkpoint", help="a checkpoint with a parameter schema")
+  p.add_argument("dst", help="where the DeepSpeed universal checkpoint goes")
+  p.add_argument("--format", default="deepspeed", choices=["deepspeed"])
+  p.add_argument(
+    "--zero-stage", type=int, choices=[1, 2, 3], help="target ZeRO stage (default: all)"
+  )
+  p.add_argument("--tag", help="checkpoint tag (default: global_step<N>)")
+  p.add_argument("--overwrite", action="store_true", help="replace an export at DST")
   p = sub.add_parser("demo", help="train, save, restore onto other meshes, compare with no restart")
   p.add_argument("--out", default="demo_out", help="where the checkpoints go (default: demo_out)")
   p.add_argument("--steps", type=int, default=20, help="training steps per leg (default: 20)")

@@ -1,0 +1,328 @@
+"""Writes a DeepSpeed universal checkpoint that `load_universal` reads at any DP degree.
+
+Layout (docs/export.md; DeepSpeed 0.19.8's reader is described in docs/deepspeed_layouts.md §12):
+
+  dst/latest_universal                      the tag, as text
+  dst/<tag>/zero/<name>/fp32.pt             {'cat_dim': 0, 'param': fp32 tensor, full shape}
+  dst/<tag>/zero/<name>/<slot>.pt           the same for exp_avg, exp_avg_sq (every slot)
+  dst/<tag>/zero/<name>/step.pt             0-d float32 tensor, the optimizer step
+  dst/<tag>/zero/<frozen|buffer|alias>/fp32.pt   {'param': tensor.float()}, as ds_to_universal
+  dst/<tag>/zero/optimizer_state.pt         ds_version, per-group param_groups (ZeRO-1/2, BF16);
+                                            optimizer_state_dict (step, group hyperparameters)
+                                            for the ZeRO-3 loader
+  dst/<tag>/mp_rank_00_model_states.pt              ZeRO-1/2 and BF16 targets
+  dst/<tag>/zero_pp_rank_0_mp_rank_00_model_states.pt   ZeRO-3 targets (a hard link: same bytes)
+
+The dict form of `fp32.pt` is what ZeRO-1/2 need and ZeRO-3 accepts, so one export serves
+every stage. The files hold only tensors, dicts, lists, numbers and `torch.Size`: they load
+with `torch.load(weights_only=True)`. torch is imported here, lazily: it is an optional extra.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ucp_jax import _commit, _errors, _export, _export_schema, _reader
+
+DS_VERSION = "0.19.8"
+"""The DeepSpeed version whose `load_universal` this layout is written for (and tested with)."""
+
+MODEL_STATES_1_2 = "mp_rank_00_model_states.pt"
+MODEL_STATES_3 = "zero_pp_rank_0_mp_rank_00_model_states.pt"
+LATEST = "latest_universal"
+_ML_DTYPES_AS = {"bfloat16": "uint16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
+
+
+class MissingDependencyError(_errors.UcpError, ImportError):
+  """An optional dependency (an extra such as `ucp_jax[torch]`) is not installed."""
+
+
+def import_torch():
+  try:
+    import torch
+  except ImportError as e:
+    raise MissingDependencyError(
+      "exporting to DeepSpeed writes .pt files with torch, which is not installed; "
+      "install the extra: pip install 'ucp_jax[torch]'"
+    ) from e
+  return torch
+
+
+def check_destination(dst: str | os.PathLike, *, overwrite: bool, tag: str | None) -> str:
+  """The absolute export path, or an error if writing there would lose something."""
+  path = os.fspath(dst)
+  if "://" in path:
+    raise ValueError(f"{path}: a DeepSpeed export is written to a local directory")
+  if tag is not None and not _export_schema.valid_name(tag):
+    raise ValueError(f"tag {tag!r}: not usable as a directory name")
+  path = os.path.abspath(path)
+  if os.path.isfile(path) or os.path.islink(path):
+    raise _errors.CheckpointExistsError(f"{path}: a file is in the way of the export")
+  if os.path.isdir(path) and os.listdir(path):
+    if not os.path.isfile(os.path.join(path, LATEST)):
+      raise _errors.CheckpointExistsError(
+        f"{path}: directory exists and is not a DeepSpeed universal checkpoint (no {LATEST}); "
+        "refusing to replace it"
+      )
+    if not overwrite:
+      raise _errors.CheckpointExistsError(
+        f"{path}: an export exists already; pass overwrite=True (--overwrite) to replace it"
+      )
+  return path
+
+
+def write(
+  ckpt: _reader.Checkpoint,
+  plan: _export_schema.ExportPlan,
+  dst: str,
+  *,
+  zero_stage: int | None,
+  tag: str | None,
+  progress: Callable[[str, int, int], None] | None,
+) -> _export.ExportReport:
+  """Writes `plan` to a staging directory beside `dst`, then renames it into place."""
+  start = time.perf_counter()
+  stages = _stages(plan, zero_stage)
+  torch = import_torch()
+  global_steps = _int(plan.extra.get("global_steps"), plan.step)
+  tag = tag or f"global_step{global_steps}"
+  parent, name = os.path.split(dst)
+  os.makedirs(parent, exist_ok=True)
+  staging = os.path.join(parent, f".{name}.ucp-export-{secrets.randbits(64):016x}")
+  try:
+    writer = _Writer(torch, ckpt, plan, os.path.join(staging, tag), progress)
+    writer.write_params()
+    writer.write_optimizer_state(3 in stages)
+    writer.write_model_states(stages, global_steps)
+    with open(os.path.join(staging, LATEST), "w") as f:
+      f.write(tag)
+    _commit_dir(staging, dst)
+  except BaseException:
+    shutil.rmtree(staging, ignore_errors=True)
+    raise
+  return _export.ExportReport(
+    path=dst,
+    tag=tag,
+    zero_stages=stages,
+    params=len(plan.trainable),
+    frozen=tuple(p.name for p in plan.frozen),
+    buffers=tuple(b.name for b in plan.buffers),
+    tied=dict(plan.tied),
+    step=plan.step,
+    nbytes=writer.nbytes,
+    seconds=time.perf_counter() - start,
+    notes=tuple(notes(plan, stages)),
+  )
+
+
+def _stages(plan: _export_schema.ExportPlan, zero_stage: int | None) -> tuple[int, ...]:
+  adam = all(s in plan.slot_names for s in _export_schema.ADAM_SLOTS)
+  if zero_stage == 3 and not adam:
+    raise _errors.MappingError(
+      f"zero_stage=3: DeepSpeed's ZeRO-3 universal loader reads exactly fp32, exp_avg and "
+      f"exp_avg_sq per parameter (Adam); this checkpoint's slots are {list(plan.slot_names)}"
+    )
+  if zero_stage is None:
+    return (1, 2, 3) if adam else (1, 2)
+  return (3,) if zero_stage == 3 else (1, 2)
+
+
+def common_hyperparameters(groups: tuple[dict[str, Any], ...]) -> dict[str, Any]:
+  """The hyperparameters every group shares (all that DeepSpeed's ZeRO-3 loader can apply)."""
+  first = groups[0]
+  return {k: v for k, v in first.items() if all(k in g and g[k] == v for g in groups[1:])}
+
+
+def notes(plan: _export_schema.ExportPlan, stages: tuple[int, ...]) -> list[str]:
+  """What DeepSpeed 0.19.8's universal `load_checkpoint` does not restore from these files."""
+  out = []
+  extras = [*(p.name for p in plan.frozen), *(b.name for b in plan.buffers)]
+  if extras:
+    out.append(
+      f"buffers and frozen parameters ({', '.join(extras)}): DeepSpeed's universal "
+      "load_checkpoint never loads the model-states `module` that holds them; call "
+      "ucp_jax.deepspeed.finish_load(engine, dst) after it"
+    )
+  if 3 in stages:
+    differ = sorted({k for g in plan.groups for k in g} - set(common_hyperparameters(plan.groups)))
+    kept = (
+      f"; this export leaves out {', '.join(differ)} (they differ between groups), so each "
+      "group keeps its configured value"
+      if differ
+      else ""
+    )
+    out.append(
+      "ZeRO-3 targets: DeepSpeed's loader applies one set of hyperparameters to every group"
+      f"{kept}; it also shares one step tensor between sub-groups, so Adam's step count "
+      "advances once per sub-group. ucp_jax.deepspeed.finish_load fixes both"
+    )
+  if 3 not in stages and len(stages) > 1:
+    out.append(f"no ZeRO-3 files: its loader needs exp_avg and exp_avg_sq ({plan.optimizer_type})")
+  return out
+
+
+class _Writer:
+  """Writes the files of one export under `root` (`staging/<tag>`)."""
+
+  def __init__(self, torch, ckpt, plan, root: str, progress):
+    self.torch = torch
+    self.ckpt = ckpt
+    self.plan = plan
+    self.root = root
+    self.zero = os.path.join(root, "zero")
+    self.progress = progress
+    self.nbytes = 0
+    self.step = torch.tensor(float(plan.step), dtype=torch.float32)
+
+  def _save(self, obj: Any, *parts: str) -> None:
+    path = os.path.join(self.zero, *parts)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    self.torch.save(obj, path)
+
+  def _read(self, key: str) -> np.ndarray:
+    array = self.ckpt.read(key)
+    self.nbytes += array.nbytes
+    return array
+
+  def _done(self, item: str, nbytes: int) -> None:
+    if self.progress is not None:
+      self.progress(item, nbytes, self.plan.nbytes)
+
+  def write_params(self) -> None:
+    from ucp_jax._deepspeed_tp import universal_meta
+
+    fp32 = self._fp32
+    entries = (self.ckpt.manifest.schema or {}).get("params") or {}
+    for p in self.plan.trainable:
+      before = self.nbytes
+      # TP/PP/EP pattern (cat_dim, sub-params, vocabulary) for a target of another TP degree
+      meta = universal_meta((entries.get(p.name) or {}).get("pattern"), p.name)
+      self._save({**meta, "param": fp32(p.value)}, p.name, "fp32.pt")
+      for slot, key in p.slots.items():
+        self._save({**meta, "param": fp32(key)}, p.name, f"{slot}.pt")
+      self._save(self.step.clone(), p.name, "step.pt")
+      self._done(p.name, self.nbytes - before)
+    self.extras: dict[str, Any] = {}
+    for p in (*self.plan.frozen, *self.plan.buffers):
+      before = self.nbytes
+      self.extras[p.name] = tensor(self.torch, self._read(p.value))
+      self._save({"param": self.extras[p.name].float()}, p.name, "fp32.pt")
+      self._done(p.name, self.nbytes - before)
+    values = {p.name: p.value for p in (*self.plan.trainable, *self.plan.frozen)}
+    for alias, real in self.plan.tied.items():
+      self._save(
+        {"param": tensor(self.torch, self.ckpt.read(values[real])).float()}, alias, "fp32.pt"
+      )
+
+  def _fp32(self, key: str):
+    return tensor(self.torch, self._read(key).astype(np.float32, copy=False))
+
+  def write_optimizer_state(self, zero3: bool) -> None:
+    groups = self.plan.groups
+    state: dict[str, Any] = {
+      "ds_version": DS_VERSION,
+      # ZeRO-1/2 and BF16: group i's hyperparameters come from param_groups[i].
+      "param_groups": [{**g, "params": [i]} for i, g in enumerate(groups)],
+    }
+    if zero3:
+      # ZeRO-3 reads the step from state[0] and applies param_groups[0] to every group.
+      state["optimizer_state_dict"] = {
+        "state": {0: {"step": self.step.clone()}},
+        "param_groups": [{**common_hyperparameters(groups), "params": []}],
+      }
+    self._save(state, "optimizer_state.pt")
+
+  def write_model_states(self, stages: tuple[int, ...], global_steps: int) -> None:
+    torch, plan, extra = self.torch, self.plan, self.plan.extra
+    module = collections.OrderedDict((p.name, self.extras[p.name]) for p in plan.frozen)
+    for alias, real in plan.tied.items():
+      if real in module:
+        module[alias] = module[real]
+    module.update((b.name, self.extras[b.name]) for b in plan.buffers)
+    shapes = [collections.OrderedDict() for _ in plan.groups]
+    for p in plan.trainable:
+      shapes[p.group][p.name] = torch.Size(p.shape)
+    frozen = collections.OrderedDict((p.name, torch.Size(p.shape)) for p in plan.frozen)
+    states = {
+      "module": module,
+      "buffer_names": [b.name for b in plan.buffers],
+      "optimizer": None,
+      "param_shapes": shapes,
+      "frozen_param_shapes": frozen or None,
+      "shared_params": dict(plan.tied),
+      "frozen_param_fragments": None,
+      "lr_scheduler": extra.get("lr_scheduler") or None,
+      "data_sampler": None,
+      "random_ltd": None,
+      "skipped_steps": _int(extra.get("skipped_steps"), 0),
+      "global_steps": global_steps,
+      "dp_world_size": _source_dp(extra),
+      "mp_world_size": 1,
+      "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+      "ds_version": DS_VERSION,
+      "ucp_jax": {"exported_from": str(self.ckpt.location), "step": plan.step},
+    }
+    if isinstance(extra.get("global_samples"), int):
+      states["global_samples"] = extra["global_samples"]
+    if isinstance(extra.get("ds_config"), dict):
+      states["ds_config"] = extra["ds_config"]
+    # The source's client state (as JSON data): DeepSpeed hands it back from load_checkpoint.
+    client = extra.get("client_state")
+    if isinstance(client, dict):
+      states.update((k, v) for k, v in client.items() if k not in states)
+    names = [MODEL_STATES_1_2] if 1 in stages else []
+    names += [MODEL_STATES_3] if 3 in stages else []
+    first = os.path.join(self.root, names[0])
+    torch.save(states, first)
+    for other in names[1:]:
+      try:
+        os.link(first, os.path.join(self.root, other))
+      except OSError:
+        shutil.copyfile(first, os.path.join(self.root, other))
+
+
+def _int(value: Any, default: int) -> int:
+  return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def _source_dp(extra: dict[str, Any]) -> int:
+  layout = extra.get("source_layout") or {}
+  for key in ("dp", "dp_world_size", "data_parallel"):
+    if isinstance(layout, dict) and isinstance(layout.get(key), int):
+      return layout[key]
+  return 1
+
+
+def tensor(torch, array: np.ndarray):
+  """A torch tensor on `array`'s data (bfloat16 and float8 through an integer view)."""
+  if not (array.flags.c_contiguous and array.flags.writeable):
+    array = np.array(array, order="C")
+  raw = _ML_DTYPES_AS.get(array.dtype.name)
+  if raw is not None:
+    return torch.from_numpy(array.view(raw)).view(getattr(torch, array.dtype.name))
+  return torch.from_numpy(array)
+
+
+def _commit_dir(staging: str, dst: str) -> None:
+  """Makes the staged export visible at `dst` in one step (an exchange when replacing)."""
+  if os.path.isdir(dst) and os.listdir(dst):
+    if _commit._exchange(staging, dst):
+      shutil.rmtree(staging, ignore_errors=True)  # now the old export
+      return
+    old = f"{staging}.old"
+    os.rename(dst, old)
+    os.rename(staging, dst)
+    shutil.rmtree(old, ignore_errors=True)
+    return
+  with contextlib.suppress(FileNotFoundError):
+    os.rmdir(dst)
+  os.rename(staging, dst)
