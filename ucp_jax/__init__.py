@@ -5,10 +5,10 @@ TensorStore, plus a manifest), never the layout that wrote them: save from any
 mesh, restore onto any other, and convert PyTorch/DeepSpeed checkpoints in and out.
 """
 
-from ucp_jax import rules as rules
 from ucp_jax._async import SaveHandle as SaveHandle
 from ucp_jax._async import save_async as save_async
 from ucp_jax._async import wait_until_finished as wait_until_finished
+from ucp_jax import rules as rules
 from ucp_jax._convert import ConvertReport as ConvertReport
 from ucp_jax._convert import convert as convert
 from ucp_jax._errors import CheckpointExistsError as CheckpointExistsError
@@ -34,6 +34,7 @@ from ucp_jax._reader import open as open
 from ucp_jax._reshard import reshard as reshard
 from ucp_jax._restore import restore as restore
 from ucp_jax._save import save as save
+from ucp_jax._tp_shardings import tp_shardings as tp_shardings
 from ucp_jax._train_state import restore_train_state as restore_train_state
 from ucp_jax._train_state import save_train_state as save_train_state
 
@@ -69,6 +70,7 @@ __all__ = [
   "restore_train_state",
   "save",
   "save_async",
+  "tp_shardings",
   "save_train_state",
   "wait_until_finished",
 ]
