@@ -5,10 +5,10 @@ TensorStore, plus a manifest), never the layout that wrote them: save from any
 mesh, restore onto any other, and convert PyTorch/DeepSpeed checkpoints in and out.
 """
 
+from ucp_jax import rules as rules
 from ucp_jax._async import SaveHandle as SaveHandle
 from ucp_jax._async import save_async as save_async
 from ucp_jax._async import wait_until_finished as wait_until_finished
-from ucp_jax import rules as rules
 from ucp_jax._convert import ConvertReport as ConvertReport
 from ucp_jax._convert import convert as convert
 from ucp_jax._errors import CheckpointExistsError as CheckpointExistsError
