@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ucp_jax import _pattern_flat as pf
 from ucp_jax import _pattern_rules as pr
 from ucp_jax import _patterns as pt
 from ucp_jax._errors import MappingError
@@ -311,7 +312,7 @@ def test_merge_flat_equals_merge_for_any_zero_cut(case, vocab, data):
     flat = np.ascontiguousarray(f).reshape(-1)
     cuts = sorted(data.draw(st.lists(st.integers(0, flat.size), max_size=4)))
     shards.append(np.split(flat, cuts))
-  got = pt.merge_flat(shards, [f.shape for f in frags], pattern)
+  got = pf.merge_flat(shards, [f.shape for f in frags], pattern)
   if isinstance(got, list):
     got = np.concatenate(got).reshape(frags[0].shape)[: shape[0]]
   want = pt.merge(frags, pattern)
@@ -323,7 +324,7 @@ def test_merge_flat_reports_replicated_divergence():
   b = a.copy()
   b[3, 2] = 7.0
   with pytest.raises(MappingError, match=r"copy 1 differs from copy 0 in 1 elements"):
-    pt.merge_flat(
+    pf.merge_flat(
       [[a.reshape(-1)[:5], a.reshape(-1)[5:]], [b.reshape(-1)]],
       [(4, 3)] * 2,
       pt.replicated(),

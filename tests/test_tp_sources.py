@@ -9,6 +9,7 @@ import pytest
 
 import ucp_jax
 from ucp_jax import _deepspeed_tp, _torch_file
+from ucp_jax import _pattern_flat as pf
 from ucp_jax import _pattern_rules as pr
 from ucp_jax import _patterns as pt
 from ucp_jax._errors import MappingError
@@ -145,18 +146,18 @@ def test_ds_to_universal_misreads_autotp_pipelines_without_merged_info():
 
 
 def test_tied_copies_that_diverge_are_reported(tmp_path, monkeypatch):
-  real = pt.merge_flat
+  real = pf.merge_flat
 
   def skewed(shards, shapes, pattern, **kw):
     out = real(shards, shapes, pattern, **kw)
     if kw.get("name") == "tied_modules.embed.embed.weight":
       skewed.calls += 1
       if skewed.calls == 2:  # stage 1's value
-        out = (pt._whole(out, shapes[0]) if isinstance(out, list) else out) + np.float32(1e-3)
+        out = (pf.whole(out, shapes[0]) if isinstance(out, list) else out) + np.float32(1e-3)
     return out
 
   skewed.calls = 0
-  monkeypatch.setattr(pt, "merge_flat", skewed)
+  monkeypatch.setattr(pf, "merge_flat", skewed)
   with pytest.raises(
     Exception,
     match=r"(?s)tied_modules\.embed\.embed\.weight.*max \|difference\| 0\.001.*stages \[0, 1\]",

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from ucp_jax import _deepspeed_common as common
-from ucp_jax import _deepspeed_zero, _pattern_rules, _patterns
+from ucp_jax import _deepspeed_zero, _pattern_flat, _pattern_rules, _patterns
 from ucp_jax._convert_plan import Param, Plan, Tensor, release
 from ucp_jax._errors import MappingError, SourceFormatError
 from ucp_jax._patterns import Pattern
@@ -307,12 +307,12 @@ def _merge_pieces(name: str, per_stage: dict[int, list[Tensor]], pattern: Patter
     merged = {}
     for s, tensors in per_stage.items():
       shards = [list(t.pieces()) for t in tensors]
-      out = _patterns.merge_flat(shards, [t.shape for t in tensors], pattern, name=name)
+      out = _pattern_flat.merge_flat(shards, [t.shape for t in tensors], pattern, name=name)
       if len(per_stage) == 1 and isinstance(out, list):  # replicated: rank 0's pieces
         release([p for ps in shards[1:] for p in ps])
         return out
       if isinstance(out, list):
-        out = _patterns._whole(out, tensors[0].shape)
+        out = _pattern_flat.whole(out, tensors[0].shape)
       merged[s] = np.ascontiguousarray(out)
       release([p for ps in shards for p in ps])
     out = (

@@ -1,0 +1,178 @@
+#!/usr/bin/env python
+"""Tensor-parallel DeepSpeed checkpoint -> universal: `ucp_jax.convert` vs `ds_to_universal`.
+
+Generates once (cached under `--dir`) a DeepSpeed AutoTP checkpoint at TP=2 x DP=2 (4 gloo
+ranks on CPU, ZeRO-1, fp32, one training step) of the Llama-like model of
+`scripts/make_tp_fixtures.py` scaled up (about 68M parameters by default: fused GQA QKV,
+fused SwiGLU, row-parallel projections, a column-parallel vocabulary head). Then, in one run,
+each contender converts it in its own subprocess (`scripts/bench_convert.py` measures: wall
+time of the whole command, imports and conversion as the process timed them, peak RSS and
+PSS of the process tree sampled every 10 ms, page cache warm for both):
+
+  ucp        ucp_jax.convert(ckpt, out)          TP shards merged by pattern, ZeRO fragments cut
+  deepspeed  python -m deepspeed.checkpoint.ds_to_universal (4 extract, 2 merge workers)
+
+Targets: >= 10x faster, peak memory <= half. Afterwards every fp32/exp_avg/exp_avg_sq array
+is compared bit for bit with DeepSpeed's output (`--no-check` skips).
+
+Usage:
+  python scripts/bench_patterns.py [--dir /tmp/ucp_bench_patterns] [--repeat 2] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _bench_util as bu
+import bench_convert as bc
+
+DIMS = {"vocab": 16384, "dim": 1024, "heads": 16, "kv_heads": 4, "head_dim": 64, "ffn": 2816}
+
+
+def _rank_worker(ckpt: str, layers: int) -> None:
+  import make_tp_fixtures as mk
+
+  torch, deepspeed = mk._setup()
+  torch.manual_seed(0)
+  model = mk.build_llama_like(**DIMS, layers=layers)
+  config = mk.ds_config("autotp_tp2_dp2")
+  specs = mk.autotp_layer_specs(DIMS["heads"], DIMS["kv_heads"], DIMS["head_dim"])
+  config["tensor_parallel"]["partition_config"]["layer_specs"] = specs
+  engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+  from deepspeed.utils import groups
+
+  ids, targets = mk.batch(groups._get_data_parallel_rank(), DIMS["vocab"])
+  logits = engine(ids)
+  loss = torch.nn.functional.cross_entropy(logits.reshape(-1, DIMS["vocab"]), targets.ravel())
+  engine.backward(loss)
+  engine.step()
+  engine.save_checkpoint(ckpt)
+
+
+def generate(ckpt: str, layers: int) -> None:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  tmp = ckpt + ".partial"
+  shutil.rmtree(tmp, ignore_errors=True)
+  procs = []
+  for rank in range(4):
+    env = dict(os.environ, DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank))
+    env.update(WORLD_SIZE="4", LOCAL_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    env.update(OMP_NUM_THREADS="1")
+    cmd = [sys.executable, __file__, "--rank-worker", "--dir", tmp, "--layers", str(layers)]
+    procs.append(subprocess.Popen(cmd, env=env))
+  codes = [p.wait() for p in procs]
+  if any(codes):
+    raise SystemExit(f"generating the DeepSpeed checkpoint failed: exit codes {codes}")
+  for name in ("zero_to_fp32.py", "zero_to_torch.py"):
+    if os.path.exists(os.path.join(tmp, name)):
+      os.remove(os.path.join(tmp, name))
+  os.rename(tmp, ckpt)
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
+  parser.add_argument("--dir", default="/tmp/ucp_bench_patterns", help="cache and output folder")
+  parser.add_argument("--layers", type=int, default=3, help="layers (default 3: 68M params)")
+  parser.add_argument("--repeat", type=int, default=1, help="tries per contender; best is shown")
+  parser.add_argument("--json", help="also write the results here")
+  parser.add_argument("--no-check", action="store_true", help="skip the bit-for-bit comparison")
+  parser.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.rank_worker:
+    _rank_worker(args.dir, args.layers)
+    return 0
+
+  ckpt = os.path.join(args.dir, f"autotp_tp2_dp2_l{args.layers}")
+  if not os.path.isfile(os.path.join(ckpt, "latest")):
+    print(f"generating {ckpt} with DeepSpeed AutoTP (4 ranks, CPU) ...", flush=True)
+    t0 = time.perf_counter()
+    generate(ckpt, args.layers)
+    print(f"  done in {time.perf_counter() - t0:.0f} s", flush=True)
+  with open(os.path.join(ckpt, "latest")) as f:
+    tag_dir = os.path.join(ckpt, f.read().strip())
+  src_bytes = sum(os.path.getsize(os.path.join(tag_dir, n)) for n in os.listdir(tag_dir))
+  env = dict(os.environ, DS_ACCELERATOR="cpu", JAX_PLATFORMS="cpu")
+  outs = {"ucp": os.path.join(args.dir, "out_ucp"), "deepspeed": os.path.join(args.dir, "out_ds")}
+  cmds = {
+    "ucp": bc._ucp_cmd(tag_dir, outs["ucp"]),
+    "deepspeed": bc._ds_cmd(tag_dir, outs["deepspeed"]),
+  }
+  results: dict[str, dict] = {}
+  for name, cmd in cmds.items():
+    for _ in range(max(1, args.repeat)):
+      shutil.rmtree(outs[name], ignore_errors=True)
+      bc._warm(tag_dir)
+      os.sync()
+      result = bc.run(cmd, env)
+      if name not in results or result["seconds"] < results[name]["seconds"]:
+        results[name] = result
+    print(f"{name}: {results[name]['seconds']:.2f} s", flush=True)
+  with open(os.path.join(outs["ucp"], "manifest.json")) as f:
+    manifest = json.load(f)
+  params = sum(
+    math.prod(manifest["arrays"][e["value"]]["shape"])
+    for e in manifest["schema"]["params"].values()
+    if e["tied_to"] is None
+  )
+  for r in results.values():
+    r.update(json.loads(r["output"].split("RESULT ", 1)[1].splitlines()[0]))
+  ucp, ds = results["ucp"], results["deepspeed"]
+  ucp["tree_rss"] = max(ucp["tree_rss"], ucp["ru_maxrss"])  # one process: the exact peak
+  speedup = ds["seconds"] / ucp["seconds"]
+  speedup_alone = ds["convert_s"] / ucp["convert_s"]
+  memory = ucp["tree_pss"] / ds["tree_pss"]
+  rows = [
+    [
+      name,
+      f"{r['seconds']:.2f}",
+      f"{r['import_s']:.2f}",
+      f"{r['convert_s']:.2f}",
+      bu.mib(r["tree_rss"]),
+      bu.mib(r["tree_pss"]),
+    ]
+    for name, r in results.items()
+  ]
+  print()
+  print(
+    f"source: {tag_dir} ({src_bytes / bu.MiB:.0f} MiB, AutoTP tp 2 x dp 2, ZeRO-1 fp32, "
+    f"{params / 1e6:.1f}M params); best of {max(1, args.repeat)}"
+  )
+  headers = ["converter", "wall s", "import s", "convert s", "peak RSS MiB", "peak PSS MiB"]
+  print(bu.table(headers, rows))
+  print()
+  print(
+    f"speed, whole command: ucp is {speedup:.1f}x faster (target >= 10x): {bu.verdict(speedup, 10)}"
+  )
+  print(
+    f"speed, conversion after imports: ucp is {speedup_alone:.1f}x faster (target >= 10x): "
+    f"{bu.verdict(speedup_alone, 10)}"
+  )
+  print(
+    f"memory: ucp peak PSS is {memory:.2f} of DeepSpeed's (target <= 0.5): "
+    f"{bu.verdict(memory, 0.5, higher_is_better=False)}"
+  )
+  if not args.no_check:
+    print(f"check: {bc.check(outs['ucp'], outs['deepspeed'])} arrays equal DeepSpeed's bit for bit")
+  if args.json:
+    for r in results.values():
+      r.pop("output", None)
+    summary = {"speedup": speedup, "speedup_convert": speedup_alone, "memory_ratio": memory}
+    bu.write_result(args.json, {"results": results, "params": params, **summary})
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
