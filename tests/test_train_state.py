@@ -241,3 +241,13 @@ def test_flax_train_state_exports_to_deepspeed_names_and_layouts(tmp_path):
     )
   alias = _torch_file.load(zero / "lm_head.weight" / "fp32.pt")["param"]  # the tied alias
   np.testing.assert_array_equal(alias, torch_values["wte.weight"])
+  from ucp_jax import _cli
+
+  assert (
+    _cli.main(
+      ["export", str(tmp_path / "jax"), str(tmp_path / "ds2"), "--rules", "gpt2:num_heads=4"]
+    )
+    == 0
+  )
+  assert (tmp_path / "ds2" / report.tag / "zero" / "h.1.mlp.fc.weight" / "fp32.pt").exists()
+  assert _cli.main(["export", str(tmp_path / "jax"), str(tmp_path / "ds3"), "--rules", "bert"]) == 2

@@ -131,6 +131,7 @@ def cmd_export(args, out: Console, err: Console) -> int:
       zero_stage=args.zero_stage,
       tag=args.tag,
       overwrite=args.overwrite,
+      rules=_rule_set(args.rules),
       progress=on_item,
     )
   stages = "/".join(str(s) for s in report.zero_stages)
@@ -144,6 +145,23 @@ def cmd_export(args, out: Console, err: Console) -> int:
   for note in report.notes:
     out.print(f"  note: {note}", markup=False)
   return 0
+
+
+def _rule_set(spec: str | None):
+  """`gpt2:num_heads=4` -> `ucp_jax.rules.gpt2(num_heads=4)`."""
+  if not spec:
+    return None
+  from ucp_jax import rules
+
+  name, _, options = spec.partition(":")
+  factory = {"gpt2": rules.gpt2, "llama": rules.llama}.get(name)
+  if factory is None:
+    raise _errors.MappingError(f"--rules {spec!r}: ready rule sets are gpt2 and llama")
+  kwargs = {}
+  for item in filter(None, options.split(",")):
+    key, _, value = item.partition("=")
+    kwargs[key] = value.lower() == "true" if value.lower() in ("true", "false") else int(value)
+  return factory(**kwargs)
 
 
 @_command
@@ -177,6 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
   )
   p.add_argument("--tag", help="checkpoint tag (default: global_step<N>)")
   p.add_argument("--overwrite", action="store_true", help="replace an export at DST")
+  p.add_argument(
+    "--rules",
+    help="for a Flax-named checkpoint: a ready rule set and its options, e.g. gpt2:num_heads=4 "
+    "or llama:num_heads=8,num_kv_heads=2",
+  )
   p = sub.add_parser("demo", help="train, save, restore onto other meshes, compare with no restart")
   p.add_argument("--out", default="demo_out", help="where the checkpoints go (default: demo_out)")
   p.add_argument("--steps", type=int, default=20, help="training steps per leg (default: 20)")
