@@ -167,6 +167,9 @@ def test_restore_converted_torch_checkpoint_into_nnx_on_tensor_parallel_mesh(tmp
     model, jax.tree.map(lambda t: jax.device_put(np.zeros(t.shape, t.dtype), t.sharding), target)
   )
   ucp_jax.restore_train_state(tmp_path / "conv", model, opt, rules=rules)
+  mu_kernel = opt.opt_state[0].mu["blocks"][0]["mlp"]["fc"]["kernel"][...]
+  assert mu_kernel.sharding == model.blocks[0].mlp.fc.kernel[...].sharding  # slots follow params
+  assert opt.opt_state[0].count[...].sharding.mesh == mesh  # counters replicated on the mesh
   for (path, a), b in zip(
     jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)),
     jax.tree.leaves(nnx.state(source, nnx.Param)),

@@ -93,6 +93,8 @@ def restore_train_state(
   tree, params_prefix, param_keys, _ = _layout(model, optimizer)
   tree = _with_mesh(tree, mesh)
   flat, unflatten = _tree.flatten(tree)
+  flat = _place_stragglers(flat, params_prefix, param_keys)
+  tree = unflatten(flat)
   schema = ckpt.manifest.schema or {}
   options = dict(cast=cast, max_host_bytes=max_host_bytes)
   if schema.get("naming", "flax") == "flax" and rules is None:
@@ -147,6 +149,34 @@ def _restore_converted(ckpt, flat, params_prefix, param_keys, rules, options) ->
       if key in flat:
         values[key] = _like(flat[key], step)
   return values
+
+
+def _place_stragglers(flat: dict[str, Any], params_prefix: str, param_keys: list[str]) -> dict:
+  """Leaves left on one device while the parameters live on a mesh follow the parameters.
+
+  Optax creates its state where `init` ran (often one device): an optimizer slot takes
+  its parameter's sharding, any other such leaf (step counters) is replicated.
+  """
+  named = jax.sharding.NamedSharding
+  mesh = next(
+    (x.sharding.mesh for x in flat.values() if isinstance(getattr(x, "sharding", None), named)),
+    None,
+  )
+  if mesh is None or mesh.devices.size == 1:
+    return flat
+  slots = _optax.find_slots(param_keys, list(flat))
+  owner = {key: f"{params_prefix}/{p}" for p, by in slots.slots.items() for key in by.values()}
+  out = {}
+  for key, leaf in flat.items():
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+      param = flat.get(owner.get(key, ""))
+      like = getattr(param, "sharding", None)
+      if not isinstance(like, named) or np.shape(param) != np.shape(leaf):
+        like = named(mesh, jax.sharding.PartitionSpec())
+      leaf = jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=like)
+    out[key] = leaf
+  return out
 
 
 def _like(leaf: Any, value: Any) -> Any:
