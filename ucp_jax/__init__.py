@@ -18,6 +18,7 @@ from ucp_jax._errors import CorruptCheckpointError as CorruptCheckpointError
 from ucp_jax._errors import DtypeMismatchError as DtypeMismatchError
 from ucp_jax._errors import ManifestError as ManifestError
 from ucp_jax._errors import MappingError as MappingError
+from ucp_jax._errors import MissingDependencyError as MissingDependencyError
 from ucp_jax._errors import ShapeMismatchError as ShapeMismatchError
 from ucp_jax._errors import ShardingError as ShardingError
 from ucp_jax._errors import SourceFormatError as SourceFormatError
@@ -53,6 +54,7 @@ __all__ = [
   "Manifest",
   "ManifestError",
   "MappingError",
+  "MissingDependencyError",
   "SaveHandle",
   "ShapeMismatchError",
   "ShardingError",
@@ -65,12 +67,12 @@ __all__ = [
   "export",
   "open",
   "reshard",
-  "rules",
   "restore",
   "restore_train_state",
+  "rules",
   "save",
   "save_async",
-  "tp_shardings",
   "save_train_state",
+  "tp_shardings",
   "wait_until_finished",
 ]

@@ -8,6 +8,7 @@ import sys
 import time
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -84,7 +85,7 @@ def cmd_verify(args, out: Console, err: Console) -> int:
     problems = ckpt.verify(lambda key, n: bar.update(task, advance=n, item=key))
   seconds = time.perf_counter() - start
   if problems:
-    out.print(f"[red]{ckpt.location}: {len(problems)} bad array(s):")
+    out.print(f"[red]{escape(str(ckpt.location))}: {len(problems)} bad array(s):")
     for key, problem in problems.items():
       out.print(f"  {key}: {problem}", markup=False)
     return 1
@@ -160,8 +161,14 @@ def _rule_set(spec: str | None):
   kwargs = {}
   for item in filter(None, options.split(",")):
     key, _, value = item.partition("=")
-    kwargs[key] = value.lower() == "true" if value.lower() in ("true", "false") else int(value)
-  return factory(**kwargs)
+    try:
+      kwargs[key] = value.lower() == "true" if value.lower() in ("true", "false") else int(value)
+    except ValueError:
+      raise _errors.MappingError(f"--rules {spec!r}: {key}={value!r} is not an integer") from None
+  try:
+    return factory(**kwargs)
+  except TypeError as e:
+    raise _errors.MappingError(f"--rules {spec!r}: {e}") from None
 
 
 @_command
@@ -212,8 +219,8 @@ def main(argv: list[str] | None = None) -> int:
   err = Console(stderr=True, highlight=False, soft_wrap=True)
   try:
     return _COMMANDS[args.command](args, out, err)
-  except _errors.UcpError as e:
-    err.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
+  except (_errors.UcpError, ValueError) as e:  # bad input: one line, no traceback
+    err.print("[red]error:[/red]", escape(str(e)), highlight=False)
     return 2
 
 

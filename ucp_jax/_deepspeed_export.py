@@ -42,8 +42,7 @@ LATEST = "latest_universal"
 _ML_DTYPES_AS = {"bfloat16": "uint16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
 
 
-class MissingDependencyError(_errors.UcpError, ImportError):
-  """An optional dependency (an extra such as `ucp_jax[torch]`) is not installed."""
+MissingDependencyError = _errors.MissingDependencyError
 
 
 def import_torch():

@@ -176,7 +176,8 @@ def _read_rank(folder, i, tp, model_path, optims, model) -> _Rank:
     [f"zero_pp_rank_{k}_mp_rank_{i:02d}_optim_states.pt" for k in missing],
   )
   paths = [optims[k] for k in range(dp)]
-  osds, _ = _deepspeed_zero.load_optim_states(folder, paths)
+  osds, versions = _deepspeed_zero.load_optim_states(folder, paths)
+  _deepspeed_zero.check_consistent(model, model_path, paths, osds, versions)
   problems: list[str] = []
   shapes = common.shapes_of(model, model_path, problems)
   params, steps = {}, []

@@ -43,7 +43,7 @@ def plan(files: common.TagFiles) -> Plan:
   )
   paths = common.check_ranks(files, model["dp_world_size"], model_path)
   osds, versions = load_optim_states(files.folder, paths)
-  stage, optimizer_class = _check_consistent(model, model_path, paths, osds, versions)
+  stage, optimizer_class = check_consistent(model, model_path, paths, osds, versions)
   problems: list[str] = []
   shapes = common.shapes_of(model, model_path, problems)
   common.fail(f"{model_path}: unreadable param_shapes", problems)
@@ -101,7 +101,7 @@ def load_optim_states(folder: str, paths: list[str]) -> tuple[list[dict], list]:
   return osds, versions
 
 
-def _check_consistent(model: dict, model_path: str, paths: list[str], osds: list, versions: list):
+def check_consistent(model: dict, model_path: str, paths: list[str], osds: list, versions: list):
   """Every rank file from the same run and step as the model states; (stage, class)."""
   dp = model["dp_world_size"]
   n = len(model["param_shapes"]) if isinstance(model["param_shapes"], list) else -1

@@ -138,13 +138,6 @@ def start_read(
   return outs, wait
 
 
-def read_regions(array_dir: str, key: str, regions: list[Region], dtype, chunks, shape):
-  """`start_read`, waited for."""
-  outs, wait = start_read(array_dir, key, regions, dtype, chunks, shape)
-  wait()
-  return outs
-
-
 def _read_chunk(array_dir, key, index, regions, outs, users, dtype, chunks, shape) -> None:
   path = chunk_path(array_dir, index)
   chunk = _chunk_region(index, chunks, shape)

@@ -59,6 +59,10 @@ class UnsafePickleError(SourceFormatError):
   """A pickle that asks for something the safe reader refuses to do."""
 
 
+class MissingDependencyError(UcpError, ImportError):
+  """An optional dependency (an extra such as `ucp_jax[torch]`) is not installed."""
+
+
 class MappingError(UcpError, ValueError):
   """Names or layouts that a mapping cannot carry between a checkpoint and a target."""
 

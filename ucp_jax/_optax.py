@@ -114,14 +114,3 @@ def step_of(slots: SlotMap, flat: dict[str, Any]) -> int | None:
   if len(counts) > 1:
     raise _errors.MappingError(f"parameter groups disagree on the step count: {sorted(counts)}")
   return counts.pop() if counts else None
-
-
-def check_needs(slots: SlotMap, params: list[str], stored_slots: dict[str, set[str]]) -> list[str]:
-  """Problems restoring `stored_slots` (param -> slot names on disk) into this optimizer."""
-  problems = []
-  for param in params:
-    needed = set(slots.slots.get(param, {}))
-    missing = needed - stored_slots.get(param, set())
-    if missing:
-      problems.append(f"{param}: the optimizer needs {sorted(missing)}, the checkpoint has none")
-  return problems

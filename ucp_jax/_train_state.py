@@ -97,7 +97,8 @@ def restore_train_state(
   tree = unflatten(flat)
   schema = ckpt.manifest.schema or {}
   options = dict(cast=cast, max_host_bytes=max_host_bytes)
-  if schema.get("naming", "flax") == "flax" and rules is None:
+  naming = schema.get("naming", "torch") if schema else "flax"  # no schema: a plain JAX save
+  if naming == "flax" and rules is None:
     values = _restore.restore(ckpt, tree, **options)
   else:
     values = unflatten(_restore_converted(ckpt, flat, params_prefix, param_keys, rules, options))
