@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ucp_jax import _manifest, _multihost, _save, _store
+from ucp_jax import _manifest, _multihost, _save, _store, _writer
 
 _lock = threading.Lock()
 _pending: SaveHandle | None = None  # the last save_async of this process
@@ -197,7 +197,7 @@ def snapshot(
     return _host_copies(entries), manifest
 
   # Agreed like `save`'s planning, so a leaf rejected (or a copy failed) on one process stops all.
-  entries, manifest = _save._together(sync, target, "checking the tree", plan)
+  entries, manifest = _writer._together(sync, target, "checking the tree", plan)
   return Job(target, entries, manifest, sync, overwrite, compression, max_host_bytes)
 
 
@@ -205,7 +205,7 @@ def _host_copies(entries: list[_save._Entry]) -> list[_save._Entry]:
   """The entries with host copies of the shards this process writes, and no device arrays."""
   owned: dict[str, list] = {e.key: [] for e in entries}
   # _owned_shards starts every device-to-host copy before the first one is waited for.
-  for entry, index, data in _save._owned_shards(entries, _multihost.is_primary()):
+  for entry, index, data in _writer._owned_shards(entries, _multihost.is_primary()):
     owned[entry.key].append((index, _host_copy(data)))
   return [dataclasses.replace(e, value=None, owned=tuple(owned[e.key])) for e in entries]
 

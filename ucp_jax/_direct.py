@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import crc32c
 import numpy as np
 
-from ucp_jax import _errors, _hostmem
+from ucp_jax import _errors, _hostmem, _regions
 
 ENABLED = sys.byteorder == "little"
 """Off where the host is big-endian (the files are little-endian); tests may switch it off."""
@@ -33,7 +33,7 @@ _POOL = concurrent.futures.ThreadPoolExecutor(
 _made_dirs: set[str] = set()
 _made_dirs_lock = threading.Lock()
 
-Region = tuple[slice, ...]
+Region = _regions.Region
 
 
 def submit(fn, *args) -> concurrent.futures.Future:
@@ -56,16 +56,6 @@ def _chunk_region(index: tuple[int, ...], chunks, shape) -> Region:
   return tuple(slice(i * c, min((i + 1) * c, d)) for i, c, d in zip(index, chunks, shape))
 
 
-def _overlap(a: Region, b: Region) -> Region | None:
-  out = tuple(slice(max(x.start, y.start), min(x.stop, y.stop)) for x, y in zip(a, b))
-  return None if any(s.start >= s.stop for s in out) else out
-
-
-def _local(region: Region, origin: Region) -> tuple:
-  """`region` relative to `origin`, as an index that gives a view even for 0-d arrays."""
-  return (*(slice(r.start - o.start, r.stop - o.start) for r, o in zip(region, origin)), Ellipsis)
-
-
 def write_region(
   array_dir: str, data: np.ndarray, region: Region, chunks: tuple[int, ...], shape
 ) -> list[concurrent.futures.Future]:
@@ -74,7 +64,7 @@ def write_region(
   futures = []
   for index in chunks_in(region, chunks):
     chunk = _chunk_region(index, chunks, shape)
-    block = data[_local(chunk, region)]
+    block = data[_regions.relative(chunk, region)]
     futures.append(_POOL.submit(_write_chunk, chunk_path(array_dir, index), block, chunks))
   return futures
 
@@ -142,17 +132,17 @@ def _read_chunk(array_dir, key, index, regions, outs, users, dtype, chunks, shap
   path = chunk_path(array_dir, index)
   chunk = _chunk_region(index, chunks, shape)
   full = tuple(chunk) == tuple(slice(i * c, (i + 1) * c) for i, c in zip(index, chunks))
-  if len(users) == 1 and full and _overlap(chunk, regions[users[0]]) == chunk:
-    target = outs[users[0]][_local(chunk, regions[users[0]])]
+  if len(users) == 1 and full and _regions.overlap(chunk, regions[users[0]]) == chunk:
+    target = outs[users[0]][_regions.relative(chunk, regions[users[0]])]
     if target.flags.c_contiguous:
       _read_into(path, key, target)
       return
   buffer = np.empty(chunks, dtype=dtype)
   _read_into(path, key, buffer)
   for i in users:
-    part = _overlap(chunk, regions[i])
+    part = _regions.overlap(chunk, regions[i])
     if part is not None:
-      outs[i][_local(part, regions[i])] = buffer[_local(part, chunk)]
+      outs[i][_regions.relative(part, regions[i])] = buffer[_regions.relative(part, chunk)]
 
 
 def _read_into(path: str, key: str, out: np.ndarray) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ucp_jax import _direct, _errors, _hostmem, _save, _tree
+from ucp_jax import _direct, _errors, _hostmem, _regions, _tree
 
 
 def reshard(tree: Any, shardings: Any, *, method: str = "auto") -> Any:
@@ -104,11 +104,11 @@ def _start_host_reshard(x: jax.Array, target: jax.sharding.Sharding):
     return lambda: jax.device_put(x, target)
   shape = tuple(x.shape)
   sources = [
-    (_save._normalize(s.index, shape), s.data) for s in x.addressable_shards if s.replica_id == 0
+    (_regions.normalize(s.index, shape), s.data) for s in x.addressable_shards if s.replica_id == 0
   ]
   copies = [
     (devices, _direct.submit(_assemble, index, sources, x.dtype))
-    for index, devices in _save.group_by_slice(target, shape)
+    for index, devices in _regions.group_by_slice(target, shape)
   ]
 
   def finish() -> jax.Array:
@@ -128,10 +128,7 @@ def _assemble(index: tuple[slice, ...], sources: list, dtype) -> np.ndarray:
   """The region `index` of the global array, copied out of the source shards."""
   out = _hostmem.aligned_empty(tuple(s.stop - s.start for s in index), dtype)
   for src_index, data in sources:
-    overlap = [(max(a.start, b.start), min(a.stop, b.stop)) for a, b in zip(index, src_index)]
-    if any(lo >= hi for lo, hi in overlap) and out.size:
-      continue
-    dst = tuple(slice(lo - a.start, hi - a.start) for (lo, hi), a in zip(overlap, index))
-    src = tuple(slice(lo - b.start, hi - b.start) for (lo, hi), b in zip(overlap, src_index))
-    out[dst] = np.asarray(data)[src]
+    part = _regions.overlap(index, src_index)
+    if part is not None:
+      out[_regions.relative(part, index)] = np.asarray(data)[_regions.relative(part, src_index)]
   return out

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from ucp_jax import _direct, _errors, _hostmem, _reader, _save, _tree
+from ucp_jax import _direct, _errors, _hostmem, _reader, _regions, _save, _tree
 from ucp_jax._manifest import ArrayInfo
 
 if TYPE_CHECKING:
@@ -274,7 +274,7 @@ class _Reads:
     info = self._ckpt[want.key]
     array_dir = self._direct_dir(want.key)
     if array_dir is not None:
-      regions = [_full(index, info.shape) for index in indices]
+      regions = [_regions.normalize(index, info.shape) for index in indices]
       hosts, wait = _direct.start_read(
         array_dir, want.key, regions, info.dtype, info.chunks, info.shape
       )
@@ -294,7 +294,7 @@ class _Reads:
     if want.as_ != "jax":
       yield want, (), None, max(1, int(np.prod(info.shape))) * itemsize
       return
-    by_slice = _save.group_by_slice(want.sharding, _logical_shape(info))
+    by_slice = _regions.group_by_slice(want.sharding, _logical_shape(info))
     for index, devices in by_slice:
       size = int(np.prod([s.stop - s.start for s in index], dtype=np.int64))
       full_index = index + (slice(None),) * (len(info.shape) - len(index))
@@ -335,10 +335,6 @@ class _Reads:
       info.shape, data_sharding, [pieces[d] for d in want.sharding.addressable_devices]
     )
     return jax.random.wrap_key_data(data, impl=info.prng_impl)
-
-
-def _full(index: tuple, shape: tuple[int, ...]) -> tuple[slice, ...]:
-  return _save._normalize(index, shape)
 
 
 def _key_data_sharding(

@@ -1,0 +1,46 @@
+"""Regions of an array (tuples of `slice(start, stop)`): the one place they are computed."""
+
+from __future__ import annotations
+
+import jax
+
+Region = tuple[slice, ...]
+
+
+def normalize(index: tuple, shape: tuple[int, ...]) -> Region:
+  """A numpy-style index (slices, possibly short or open) as explicit `slice(start, stop)`s."""
+  index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+  return tuple(slice(*s.indices(d)[:2]) for s, d in zip(index, shape))
+
+
+def full(shape: tuple[int, ...]) -> Region:
+  return tuple(slice(0, d) for d in shape)
+
+
+def size(region: Region) -> int:
+  n = 1
+  for s in region:
+    n *= s.stop - s.start
+  return n
+
+
+def overlap(a: Region, b: Region) -> Region | None:
+  """The intersection of two regions, or None when they do not meet."""
+  out = tuple(slice(max(x.start, y.start), min(x.stop, y.stop)) for x, y in zip(a, b))
+  return None if any(s.start >= s.stop for s in out) else out
+
+
+def relative(region: Region, origin: Region) -> tuple:
+  """`region` relative to `origin`, as an index that gives a view even of a 0-d array."""
+  return (*(slice(r.start - o.start, r.stop - o.start) for r, o in zip(region, origin)), Ellipsis)
+
+
+def group_by_slice(
+  sharding: jax.sharding.Sharding, shape: tuple[int, ...]
+) -> list[tuple[Region, list[jax.Device]]]:
+  """This process's devices of `sharding`, grouped by the region of the array each holds."""
+  groups: dict[tuple, list] = {}
+  for device, index in sharding.addressable_devices_indices_map(shape).items():
+    bounds = tuple((s.start, s.stop) for s in normalize(index, shape))
+    groups.setdefault(bounds, []).append(device)
+  return [(tuple(slice(*b) for b in bounds), devs) for bounds, devs in groups.items()]
