@@ -21,7 +21,7 @@ from ucp_jax import _deepspeed_common, _deepspeed_universal, _errors, _keypath, 
 from ucp_jax._convert_plan import Plan, Tensor, release
 from ucp_jax._errors import SourceFormatError
 from ucp_jax._manifest import ArrayInfo, Manifest
-from ucp_jax._save import Writer
+from ucp_jax._writer import Writer
 
 _MIN_IN_FLIGHT = 64 << 20
 """Bytes of assembled arrays that may wait for their writes (at least two of the largest)."""
