@@ -5,12 +5,6 @@ TensorStore, plus a manifest), never the layout that wrote them: save from any
 mesh, restore onto any other, and convert PyTorch/DeepSpeed checkpoints in and out.
 """
 
-from ucp_jax import rules as rules
-from ucp_jax._async import SaveHandle as SaveHandle
-from ucp_jax._async import save_async as save_async
-from ucp_jax._async import wait_until_finished as wait_until_finished
-from ucp_jax._convert import ConvertReport as ConvertReport
-from ucp_jax._convert import convert as convert
 from ucp_jax._errors import CheckpointExistsError as CheckpointExistsError
 from ucp_jax._errors import CheckpointNotFoundError as CheckpointNotFoundError
 from ucp_jax._errors import ConcurrentWriteError as ConcurrentWriteError
@@ -26,18 +20,46 @@ from ucp_jax._errors import TreeMismatchError as TreeMismatchError
 from ucp_jax._errors import UcpError as UcpError
 from ucp_jax._errors import UnsafePickleError as UnsafePickleError
 from ucp_jax._errors import UnsupportedLeafError as UnsupportedLeafError
-from ucp_jax._export import ExportReport as ExportReport
-from ucp_jax._export import export as export
 from ucp_jax._manifest import ArrayInfo as ArrayInfo
 from ucp_jax._manifest import Manifest as Manifest
 from ucp_jax._reader import Checkpoint as Checkpoint
 from ucp_jax._reader import open as open
-from ucp_jax._reshard import reshard as reshard
-from ucp_jax._restore import restore as restore
-from ucp_jax._save import save as save
-from ucp_jax._tp_shardings import tp_shardings as tp_shardings
-from ucp_jax._train_state import restore_train_state as restore_train_state
-from ucp_jax._train_state import save_train_state as save_train_state
+
+# The rest loads on first use (PEP 562), so `ucp inspect`, `ucp convert` and the
+# converters start without importing jax.
+_LAZY = {
+  "rules": ("ucp_jax.rules", None),
+  "SaveHandle": ("ucp_jax._async", "SaveHandle"),
+  "save_async": ("ucp_jax._async", "save_async"),
+  "wait_until_finished": ("ucp_jax._async", "wait_until_finished"),
+  "ConvertReport": ("ucp_jax._convert", "ConvertReport"),
+  "convert": ("ucp_jax._convert", "convert"),
+  "ExportReport": ("ucp_jax._export", "ExportReport"),
+  "export": ("ucp_jax._export", "export"),
+  "reshard": ("ucp_jax._reshard", "reshard"),
+  "restore": ("ucp_jax._restore", "restore"),
+  "save": ("ucp_jax._save", "save"),
+  "tp_shardings": ("ucp_jax._tp_shardings", "tp_shardings"),
+  "restore_train_state": ("ucp_jax._train_state", "restore_train_state"),
+  "save_train_state": ("ucp_jax._train_state", "save_train_state"),
+}
+
+
+def __getattr__(name: str):
+  if name not in _LAZY:
+    raise AttributeError(f"module 'ucp_jax' has no attribute {name!r}")
+  import importlib
+
+  module, attr = _LAZY[name]
+  value = importlib.import_module(module)
+  value = value if attr is None else getattr(value, attr)
+  globals()[name] = value
+  return value
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(_LAZY))
+
 
 __version__ = "0.1.0"
 

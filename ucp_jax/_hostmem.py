@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-import jax
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+  import jax
 
 _ALIGN = 64  # XLA's CPU client aliases host buffers aligned to this many bytes
 
@@ -22,4 +26,6 @@ def to_device(host: np.ndarray, device: jax.Device) -> jax.Array:
 
   The caller must not write to `host` afterwards.
   """
+  import jax
+
   return jax.device_put(host, device, may_alias=True)

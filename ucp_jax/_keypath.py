@@ -12,8 +12,6 @@ import urllib.parse
 from collections.abc import Iterable
 from typing import Any
 
-import jax
-
 _SAFE = "-_.~+=,@[]()"
 
 
@@ -35,6 +33,8 @@ def decode_part(part: str) -> str:
 
 def entry_name(entry: Any) -> str:
   """The plain name of one `jax.tree_util` path entry."""
+  import jax
+
   if isinstance(entry, jax.tree_util.DictKey):
     return str(entry.key)
   if isinstance(entry, jax.tree_util.SequenceKey):

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import sys
 
-import jax
 import numpy as np
-from jax._src import distributed
 
 from ucp_jax import _errors
 
@@ -14,13 +13,28 @@ TIMEOUT_S = 3600
 """How long a process waits for the others at one agreement point of a save."""
 
 
+def _jax():
+  """jax, if this process loaded it; a process that never did runs alone."""
+  return sys.modules.get("jax")
+
+
+def process_count() -> int:
+  jax = _jax()
+  return 1 if jax is None else jax.process_count()
+
+
+def process_index() -> int:
+  jax = _jax()
+  return 0 if jax is None else jax.process_index()
+
+
 def is_primary() -> bool:
-  return jax.process_index() == 0
+  return process_index() == 0
 
 
 def broadcast_from_primary(values: np.ndarray) -> np.ndarray:
   """Process 0's `values` on every process (a no-op with one process)."""
-  if jax.process_count() == 1:
+  if process_count() == 1:
     return values
   from jax.experimental import multihost_utils
 
@@ -29,7 +43,7 @@ def broadcast_from_primary(values: np.ndarray) -> np.ndarray:
 
 def all_ok(ok: bool) -> bool:
   """True on every process iff `ok` was true on every process; also a barrier."""
-  if jax.process_count() == 1:
+  if process_count() == 1:
     return ok
   from jax.experimental import multihost_utils
 
@@ -56,13 +70,15 @@ class Sync:
     self._prefix = f"ucp_jax/sync/{next(Sync._numbers)}"
     self._rounds = itertools.count()
     self._client = None
-    if jax.process_count() > 1:
+    if process_count() > 1:
+      from jax._src import distributed
+
       self._client = distributed.global_state.client
     self._mine: list[str] = []  # keys this process set, deleted once all have read them
 
   def broadcast_from_primary(self, values: np.ndarray, what: str) -> np.ndarray:
     """Process 0's `values` on every process; the others pass an array of the same shape."""
-    if jax.process_count() == 1:
+    if process_count() == 1:
       return values
     if self._client is None:
       return broadcast_from_primary(values)
@@ -76,24 +92,24 @@ class Sync:
 
   def all_ok(self, ok: bool, what: str) -> bool:
     """True on every process iff `ok` was true on every process; also a barrier."""
-    if jax.process_count() == 1:
+    if process_count() == 1:
       return ok
     if self._client is None:
       return all_ok(ok)
     round_key = f"{self._prefix}/{next(self._rounds)}"
     if not ok:
-      self._client.key_value_set(f"{round_key}/failed/{jax.process_index()}", "1")
+      self._client.key_value_set(f"{round_key}/failed/{process_index()}", "1")
     self._wait(what, self._client.wait_at_barrier, round_key)
     # Every process has read the earlier rounds' keys before reaching this barrier.
     for key in self._mine:
       self._client.key_value_delete(key)
-    self._mine = [f"{round_key}/failed/{jax.process_index()}"] if not ok else []
+    self._mine = [f"{round_key}/failed/{process_index()}"] if not ok else []
     return not self._client.key_value_dir_get(f"{round_key}/failed/")
 
   def _wait(self, what: str, fn, key: str):
     try:
       return fn(key, TIMEOUT_S * 1000)
-    except jax.errors.JaxRuntimeError as e:
+    except _jax().errors.JaxRuntimeError as e:
       raise _errors.UcpError(
         f"{self._name}: {what}: waiting for the other processes failed (timeout {TIMEOUT_S} s): {e}"
       ) from e

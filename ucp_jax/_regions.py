@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-import jax
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+  import jax
 
 Region = tuple[slice, ...]
 

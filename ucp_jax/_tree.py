@@ -10,8 +10,6 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-import jax
-
 from ucp_jax import _errors, _keypath
 
 
@@ -34,6 +32,8 @@ def flatten(tree: Any, *, prefix: str = "") -> tuple[dict[str, Any], Callable[[d
   Raises:
     TreeMismatchError: two leaves would share a key.
   """
+  import jax
+
   pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_variable)
   flat: dict[str, Any] = {}
   variables: list[Any] = []

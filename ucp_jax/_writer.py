@@ -8,10 +8,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
+import sys
 from collections.abc import Iterator
 from typing import Any
 
-import jax
 import numpy as np
 
 from ucp_jax import _commit, _direct, _errors, _manifest, _multihost, _regions, _store
@@ -125,7 +125,7 @@ class Writer:
         future.result()
         held -= n
       host = np.asarray(data)
-      immutable = isinstance(data, jax.Array) or entry.owned is not None  # never changes
+      immutable = _is_jax_array(data) or entry.owned is not None  # never changes
       pending.append((self._write(entry.key, host, index, immutable), nbytes))
       held += nbytes
     for future, _ in pending:
@@ -211,7 +211,7 @@ def _owned_shards(entries: list[Entry], primary: bool) -> Iterator[tuple[Entry, 
     if entry.owned is not None:
       for index, data in entry.owned:
         yield entry, index, data
-    elif isinstance(entry.value, jax.Array):
+    elif _is_jax_array(entry.value):
       for shard in entry.value.addressable_shards:
         if shard.replica_id == 0:
           jax_shards.append((entry, _regions.normalize(shard.index, entry.info.shape), shard.data))
@@ -243,3 +243,9 @@ def _json_bytes(obj: Any) -> bytes:
   import json
 
   return json.dumps(obj).encode()
+
+
+def _is_jax_array(x: Any) -> bool:
+  """Without jax loaded nothing is a jax.Array (converters write from numpy, jax-free)."""
+  jax = sys.modules.get("jax")
+  return jax is not None and isinstance(x, jax.Array)
