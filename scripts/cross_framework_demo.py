@@ -38,12 +38,13 @@ import dataclasses
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _ds_launch import launch_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-5
@@ -169,33 +170,10 @@ def launch(dp: int, job: DsJob, workdir: Path, timeout: float = 600) -> list[flo
   workdir.mkdir(parents=True, exist_ok=True)
   job_path = workdir / "job.json"
   job_path.write_text(json.dumps(dataclasses.asdict(job)))
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  procs, logs = [], []
-  for rank in range(dp):
-    env = dict(os.environ, DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank))
-    env.update(WORLD_SIZE=str(dp), LOCAL_SIZE=str(dp), MASTER_ADDR="127.0.0.1")
-    env.update(MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
-    env.pop("XLA_FLAGS", None)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    logs.append(open(workdir / f"rank{rank}.log", "w"))  # noqa: SIM115
-    cmd = [sys.executable, __file__, "--rank-job", str(job_path)]
-    procs.append(subprocess.Popen(cmd, env=env, stdout=logs[-1], stderr=subprocess.STDOUT))
-  codes = []
-  for p in procs:
-    try:
-      codes.append(p.wait(timeout=timeout))
-    except subprocess.TimeoutExpired:
-      for q in procs:
-        q.kill()
-      codes.append(p.wait())
-  for log in logs:
-    log.close()
-  if any(codes):
-    bad = next(r for r, c in enumerate(codes) if c)
-    tail = (workdir / f"rank{bad}.log").read_text()[-6000:]
-    raise RuntimeError(f"DeepSpeed ranks exited with {codes}; rank {bad}'s log:\n{tail}")
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+  env.pop("XLA_FLAGS", None)
+  cmd = [sys.executable, __file__, "--rank-job", str(job_path)]
+  launch_ranks(dp, cmd, workdir, what="DeepSpeed", timeout=timeout, env=env)
   return json.loads(Path(job.out).read_text())["losses"]
 
 

@@ -32,13 +32,14 @@ import argparse
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _ds_launch import ds_to_universal, launch_ranks
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "tests" / "fixtures" / "deepspeed"
@@ -253,12 +254,6 @@ def worker(name: str, ckpt_dir: str, info_path: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def _dir_size(path: Path) -> int:
   return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
@@ -272,49 +267,17 @@ def make_fixture(name: str, out: Path, timeout: float = 600.0) -> dict[str, Any]
     tmp_path = Path(tmp)
     ckpt = tmp_path / "ckpt"
     info_path = tmp_path / "info.json"
-    port = _free_port()
-    procs = []
-    logs = []
-    for rank in range(dp):
-      env = dict(os.environ)
-      env.update(
-        DS_ACCELERATOR="cpu",
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(dp),
-        LOCAL_SIZE=str(dp),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
-        PYTHONHASHSEED="0",
-      )
-      log = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115
-      logs.append(log)
-      cmd = [
-        sys.executable,
-        __file__,
-        "--worker",
-        name,
-        "--ckpt",
-        str(ckpt),
-        "--info",
-        str(info_path),
-      ]
-      procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + timeout
-    codes = []
-    for p in procs:
-      try:
-        codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
-      except subprocess.TimeoutExpired:
-        p.kill()
-        codes.append(p.wait())
-    for log in logs:
-      log.close()
-    if any(codes):
-      first_failed = next(r for r, c in enumerate(codes) if c)
-      tail = (tmp_path / f"rank{first_failed}.log").read_text()[-4000:]
-      raise RuntimeError(f"{name}: ranks exited with {codes}\n{tail}")
+    cmd = [
+      sys.executable,
+      __file__,
+      "--worker",
+      name,
+      "--ckpt",
+      str(ckpt),
+      "--info",
+      str(info_path),
+    ]
+    launch_ranks(dp, cmd, tmp_path, what=name, timeout=timeout)
     t_train = time.perf_counter() - t0
 
     info = json.loads(info_path.read_text())
@@ -322,29 +285,8 @@ def make_fixture(name: str, out: Path, timeout: float = 600.0) -> dict[str, Any]
     for script in RECOVERY_SCRIPTS:
       (ckpt / script).unlink(missing_ok=True)
     universal = tmp_path / "universal"
-    cmd = [
-      sys.executable,
-      "-m",
-      "deepspeed.checkpoint.ds_to_universal",
-      "--input_folder",
-      str(ckpt / tag),
-      "--output_folder",
-      str(universal),
-      "--num_extract_workers",
-      "1",
-      "--num_merge_workers",
-      "1",
-    ]
     t1 = time.perf_counter()
-    res = subprocess.run(
-      cmd,
-      env=dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1"),
-      capture_output=True,
-      text=True,
-      check=False,
-    )
-    if res.returncode:
-      raise RuntimeError(f"{name}: ds_to_universal failed\n{(res.stdout + res.stderr)[-4000:]}")
+    ds_to_universal(ckpt / tag, universal)
     t_convert = time.perf_counter() - t1
 
     info["ds_to_universal"] = {

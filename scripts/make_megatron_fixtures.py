@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -40,7 +39,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_deepspeed_fixtures import _dir_size, _free_port
+from _ds_launch import ds_to_universal, launch_ranks
+from make_deepspeed_fixtures import _dir_size
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "tests" / "fixtures" / "tp"
@@ -310,59 +310,19 @@ def main(argv: list[str] | None = None) -> int:
   with tempfile.TemporaryDirectory(prefix="megfix_") as tmp:
     tmp_path = Path(tmp)
     ckpt = tmp_path / "ckpt"
-    port, procs = _free_port(), []
-    for rank in range(TP):
-      env = dict(
-        os.environ,
-        DS_ACCELERATOR="cpu",
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(TP),
-        LOCAL_SIZE=str(TP),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
-      )
-      log = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115
-      procs.append(
-        (
-          subprocess.Popen(
-            [sys.executable, __file__, "--worker", str(ckpt)],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-          ),
-          log,
-        )
-      )
-    codes = [p.wait(timeout=600) for p, _ in procs]
-    for _, log in procs:
-      log.close()
-    if any(codes):
-      print((tmp_path / "rank0.log").read_text()[-4000:])
+    try:
+      launch_ranks(TP, [sys.executable, __file__, "--worker", str(ckpt)], tmp_path, what=NAME)
+    except RuntimeError as e:
+      print(e)
       return 1
     for script in ("zero_to_fp32.py", "zero_to_torch.py"):
       (ckpt / script).unlink(missing_ok=True)
     tag = (ckpt / "latest").read_text().strip()
     universal = tmp_path / "universal"
-    cmd = [
-      sys.executable,
-      "-m",
-      "deepspeed.checkpoint.ds_to_universal",
-      "--input_folder",
-      str(ckpt / tag),
-      "--output_folder",
-      str(universal),
-      "--num_extract_workers",
-      "1",
-      "--num_merge_workers",
-      "1",
-    ]
-    res = subprocess.run(
-      cmd, env=dict(os.environ, DS_ACCELERATOR="cpu"), capture_output=True, text=True, check=False
-    )
-    if res.returncode:
-      print((res.stdout + res.stderr)[-4000:])
+    try:
+      ds_to_universal(ckpt / tag, universal)
+    except RuntimeError as e:
+      print(e)
       return 1
     if dest.exists():
       shutil.rmtree(dest)

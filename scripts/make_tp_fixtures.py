@@ -53,7 +53,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -61,7 +60,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_deepspeed_fixtures import RECOVERY_SCRIPTS, _dir_size, _free_port
+from _ds_launch import ds_to_universal, launch_ranks
+from make_deepspeed_fixtures import RECOVERY_SCRIPTS, _dir_size
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "tests" / "fixtures" / "tp"
@@ -445,29 +445,9 @@ def worker_load(load_dir: str, out_path: str, tp: int) -> None:
 
 def run_load(load_dir: str, out_path: str, tp: int = 1, timeout: float = 300) -> None:
   """Runs ``worker_load`` on ``tp`` gloo ranks (subprocesses); raises with the log tail."""
-  port, procs = _free_port(), []
   with tempfile.TemporaryDirectory(prefix="tpload_") as tmp:
-    for rank in range(tp):
-      env = dict(
-        os.environ,
-        DS_ACCELERATOR="cpu",
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(tp),
-        LOCAL_SIZE=str(tp),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
-      )
-      log = open(os.path.join(tmp, f"rank{rank}.log"), "w")  # noqa: SIM115
-      cmd = [sys.executable, __file__, "--load", load_dir, "--out-file", out_path, "--tp", str(tp)]
-      procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
-    codes = [p.wait(timeout=timeout) for p, _ in procs]
-    for _, log in procs:
-      log.close()
-    if any(codes):
-      with open(os.path.join(tmp, "rank0.log")) as f:
-        raise RuntimeError(f"load of {load_dir} failed ({codes}):\n{f.read()[-4000:]}")
+    cmd = [sys.executable, __file__, "--load", load_dir, "--out-file", out_path, "--tp", str(tp)]
+    launch_ranks(tp, cmd, tmp, what=f"load of {load_dir}", timeout=timeout)
 
 
 def _jsonable(obj):
@@ -532,75 +512,23 @@ def make_fixture(name: str, out: Path, timeout: float = 600.0) -> dict[str, Any]
   with tempfile.TemporaryDirectory(prefix=f"tpfix_{name}_") as tmp:
     tmp_path = Path(tmp)
     ckpt, info_path = tmp_path / "ckpt", tmp_path / "info.json"
-    port, procs, logs = _free_port(), [], []
-    for rank in range(world):
-      env = dict(
-        os.environ,
-        DS_ACCELERATOR="cpu",
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
-        PYTHONHASHSEED="0",
-      )
-      log = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115
-      logs.append(log)
-      cmd = [
-        sys.executable,
-        __file__,
-        "--worker",
-        name,
-        "--ckpt",
-        str(ckpt),
-        "--info",
-        str(info_path),
-      ]
-      procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + timeout
-    codes = []
-    for p in procs:
-      try:
-        codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
-      except subprocess.TimeoutExpired:
-        p.kill()
-        codes.append(p.wait())
-    for log in logs:
-      log.close()
-    if any(codes):
-      bad = next(r for r, c in enumerate(codes) if c)
-      raise RuntimeError(
-        f"{name}: ranks exited with {codes}\n{(tmp_path / f'rank{bad}.log').read_text()[-4000:]}"
-      )
+    cmd = [
+      sys.executable,
+      __file__,
+      "--worker",
+      name,
+      "--ckpt",
+      str(ckpt),
+      "--info",
+      str(info_path),
+    ]
+    launch_ranks(world, cmd, tmp_path, what=name, timeout=timeout)
     info = json.loads(info_path.read_text())
     tag = info["tag"]
     for script in RECOVERY_SCRIPTS:
       (ckpt / script).unlink(missing_ok=True)
     universal = tmp_path / "universal"
-    cmd = [
-      sys.executable,
-      "-m",
-      "deepspeed.checkpoint.ds_to_universal",
-      "--input_folder",
-      str(ckpt / tag),
-      "--output_folder",
-      str(universal),
-      "--num_extract_workers",
-      "1",
-      "--num_merge_workers",
-      "1",
-    ]
-    res = subprocess.run(
-      cmd,
-      env=dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1"),
-      capture_output=True,
-      text=True,
-      check=False,
-    )
-    if res.returncode:
-      raise RuntimeError(f"{name}: ds_to_universal failed\n{(res.stdout + res.stderr)[-4000:]}")
+    cmd = ds_to_universal(ckpt / tag, universal)
     info["ds_to_universal"] = " ".join(
       ["python", *cmd[1:3], "--input_folder", f"ckpt/{tag}", "--output_folder", "universal"]
     )

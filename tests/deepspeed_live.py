@@ -19,8 +19,6 @@ import argparse
 import dataclasses
 import json
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,6 +26,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 import make_deepspeed_fixtures as mk  # noqa: E402
+from _ds_launch import launch_ranks  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -73,32 +72,9 @@ def launch(n: int, jobs: list[Job], out: str | os.PathLike, timeout: float = 600
   out.mkdir(parents=True, exist_ok=True)
   plan = out / "jobs.json"
   plan.write_text(json.dumps([dataclasses.asdict(j) for j in jobs]))
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  procs, logs = [], []
-  for rank in range(n):
-    env = dict(os.environ, DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank))
-    env.update(WORLD_SIZE=str(n), LOCAL_SIZE=str(n), MASTER_ADDR="127.0.0.1")
-    env.update(MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    logs.append(open(out / f"rank{rank}.log", "w"))  # noqa: SIM115
-    cmd = [sys.executable, __file__, "--jobs", str(plan), "--out", str(out)]
-    procs.append(subprocess.Popen(cmd, env=env, stdout=logs[-1], stderr=subprocess.STDOUT))
-  codes = []
-  for p in procs:
-    try:
-      codes.append(p.wait(timeout=timeout))
-    except subprocess.TimeoutExpired:
-      for q in procs:
-        q.kill()
-      codes.append(p.wait())
-  for log in logs:
-    log.close()
-  if any(codes):
-    bad = next(r for r, c in enumerate(codes) if c)
-    tail = (out / f"rank{bad}.log").read_text()[-6000:]
-    raise RuntimeError(f"DeepSpeed ranks exited with {codes}; rank {bad}'s log:\n{tail}")
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+  cmd = [sys.executable, __file__, "--jobs", str(plan), "--out", str(out)]
+  launch_ranks(n, cmd, out, what="DeepSpeed", timeout=timeout, env=env)
   return {
     j.name: [torch.load(out / j.name / f"rank{r}.pt", weights_only=False) for r in range(n)]
     for j in jobs

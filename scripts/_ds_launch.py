@@ -1,0 +1,103 @@
+"""Real DeepSpeed on this CPU machine: gloo ranks as local processes, and its own converter.
+
+Shared by the fixture generators, the benchmarks, the cross-framework demo and the live
+tests (see shared/DEEPSPEED_ON_CPU.md for why it is done this way).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def free_port() -> int:
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def launch_ranks(
+  world: int,
+  cmd: Sequence[str],
+  log_dir: str | os.PathLike,
+  *,
+  what: str = "DeepSpeed",
+  timeout: float = 600.0,
+  env: dict[str, str] | None = None,
+) -> None:
+  """Runs `cmd` as `world` gloo ranks on 127.0.0.1 and waits for all of them.
+
+  Each rank gets RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, the CPU accelerator
+  and one OpenMP thread; its output goes to `log_dir/rank<r>.log`.
+
+  Raises:
+    RuntimeError: a rank failed or timed out, with the tail of its log.
+  """
+  log_dir = Path(log_dir)
+  log_dir.mkdir(parents=True, exist_ok=True)
+  port = free_port()
+  procs, logs = [], []
+  for rank in range(world):
+    rank_env = dict(os.environ if env is None else env)
+    rank_env.update(
+      DS_ACCELERATOR="cpu",
+      RANK=str(rank),
+      LOCAL_RANK=str(rank),
+      WORLD_SIZE=str(world),
+      LOCAL_SIZE=str(world),
+      MASTER_ADDR="127.0.0.1",
+      MASTER_PORT=str(port),
+      OMP_NUM_THREADS="1",
+      PYTHONHASHSEED="0",
+    )
+    logs.append(open(log_dir / f"rank{rank}.log", "w"))  # noqa: SIM115
+    procs.append(
+      subprocess.Popen(list(cmd), env=rank_env, stdout=logs[-1], stderr=subprocess.STDOUT)
+    )
+  deadline = time.monotonic() + timeout
+  codes = []
+  for p in procs:
+    try:
+      codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+    except subprocess.TimeoutExpired:
+      for q in procs:
+        q.kill()
+      codes.append(p.wait())
+  for log in logs:
+    log.close()
+  if any(codes):
+    bad = next(r for r, c in enumerate(codes) if c)
+    tail = (log_dir / f"rank{bad}.log").read_text()[-6000:]
+    raise RuntimeError(f"{what}: ranks exited with {codes}; rank {bad}'s log:\n{tail}")
+
+
+def ds_to_universal(input_folder: str | os.PathLike, output_folder: str | os.PathLike) -> list[str]:
+  """DeepSpeed's own converter, one worker of each kind (deterministic, light on 2 cores).
+
+  Returns the command it ran. Raises RuntimeError with its output if it fails.
+  """
+  cmd = [
+    sys.executable,
+    "-m",
+    "deepspeed.checkpoint.ds_to_universal",
+    "--input_folder",
+    str(input_folder),
+    "--output_folder",
+    str(output_folder),
+    "--num_extract_workers",
+    "1",
+    "--num_merge_workers",
+    "1",
+  ]
+  env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+  res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+  if res.returncode:
+    raise RuntimeError(
+      f"ds_to_universal {input_folder} failed:\n{(res.stdout + res.stderr)[-4000:]}"
+    )
+  return cmd
