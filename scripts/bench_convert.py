@@ -272,13 +272,24 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  done in {time.perf_counter() - t0:.0f} s", flush=True)
   with open(os.path.join(ckpt, "latest")) as f:
     tag_dir = os.path.join(ckpt, f.read().strip())
+  what = "ZeRO-2 bf16 dp 2"
+  return compare(
+    tag_dir, args.dir, what=what, repeat=args.repeat, json_path=args.json, verify=not args.no_check
+  )
+
+
+def compare(
+  tag_dir: str, root: str, *, what: str, repeat: int, json_path: str | None, verify: bool
+) -> int:
+  """Times `ucp_jax.convert` and `ds_to_universal` on `tag_dir` (outputs under `root`), prints
+  the table, the verdicts against the targets and the bit-for-bit check."""
   src_bytes = sum(os.path.getsize(os.path.join(tag_dir, n)) for n in os.listdir(tag_dir))
   env = dict(os.environ, DS_ACCELERATOR="cpu", JAX_PLATFORMS="cpu")
-  outs = {"ucp": os.path.join(args.dir, "out_ucp"), "deepspeed": os.path.join(args.dir, "out_ds")}
+  outs = {"ucp": os.path.join(root, "out_ucp"), "deepspeed": os.path.join(root, "out_ds")}
   cmds = {"ucp": _ucp_cmd(tag_dir, outs["ucp"]), "deepspeed": _ds_cmd(tag_dir, outs["deepspeed"])}
   results: dict[str, dict] = {}
   for name, cmd in cmds.items():
-    for _ in range(max(1, args.repeat)):
+    for _ in range(max(1, repeat)):
       shutil.rmtree(outs[name], ignore_errors=True)
       _warm(tag_dir)
       os.sync()
@@ -318,8 +329,8 @@ def main(argv: list[str] | None = None) -> int:
   )
   print()
   print(
-    f"source: {tag_dir} ({src_bytes / bu.MiB:.0f} MiB, ZeRO-2 bf16 dp 2, {params / 1e6:.1f}M "
-    f"params); ucp output {converted / bu.MiB:.0f} MiB; best of {max(1, args.repeat)}"
+    f"source: {tag_dir} ({src_bytes / bu.MiB:.0f} MiB, {what}, {params / 1e6:.1f}M "
+    f"params); ucp output {converted / bu.MiB:.0f} MiB; best of {max(1, repeat)}"
   )
   headers = ["converter", "wall s", "import s", "convert s", "peak RSS MiB", "peak PSS MiB"]
   print(bu.table([*headers, "max 1 proc MiB"], rows))
@@ -335,13 +346,13 @@ def main(argv: list[str] | None = None) -> int:
     f"memory: ucp peak PSS is {memory:.2f} of DeepSpeed's (target <= 0.5): "
     f"{bu.verdict(memory, 0.5, higher_is_better=False)}"
   )
-  if not args.no_check:
+  if verify:
     print(f"check: {check(outs['ucp'], outs['deepspeed'])} arrays equal DeepSpeed's bit for bit")
-  if args.json:
+  if json_path:
     for r in results.values():
       r.pop("output", None)
     summary = {"speedup": speedup, "speedup_convert": speedup_alone, "memory_ratio": memory}
-    bu.write_result(args.json, {"results": results, **summary})
+    bu.write_result(json_path, {"results": results, "params": params, **summary})
   return 0
 
 

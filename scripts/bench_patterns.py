@@ -22,8 +22,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import shutil
 import socket
@@ -32,7 +30,6 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _bench_util as bu
 import bench_convert as bc
 
 DIMS = {"vocab": 16384, "dim": 1024, "heads": 16, "kv_heads": 4, "head_dim": 64, "ffn": 2816}
@@ -103,75 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  done in {time.perf_counter() - t0:.0f} s", flush=True)
   with open(os.path.join(ckpt, "latest")) as f:
     tag_dir = os.path.join(ckpt, f.read().strip())
-  src_bytes = sum(os.path.getsize(os.path.join(tag_dir, n)) for n in os.listdir(tag_dir))
-  env = dict(os.environ, DS_ACCELERATOR="cpu", JAX_PLATFORMS="cpu")
-  outs = {"ucp": os.path.join(args.dir, "out_ucp"), "deepspeed": os.path.join(args.dir, "out_ds")}
-  cmds = {
-    "ucp": bc._ucp_cmd(tag_dir, outs["ucp"]),
-    "deepspeed": bc._ds_cmd(tag_dir, outs["deepspeed"]),
-  }
-  results: dict[str, dict] = {}
-  for name, cmd in cmds.items():
-    for _ in range(max(1, args.repeat)):
-      shutil.rmtree(outs[name], ignore_errors=True)
-      bc._warm(tag_dir)
-      os.sync()
-      result = bc.run(cmd, env)
-      if name not in results or result["seconds"] < results[name]["seconds"]:
-        results[name] = result
-    print(f"{name}: {results[name]['seconds']:.2f} s", flush=True)
-  with open(os.path.join(outs["ucp"], "manifest.json")) as f:
-    manifest = json.load(f)
-  params = sum(
-    math.prod(manifest["arrays"][e["value"]]["shape"])
-    for e in manifest["schema"]["params"].values()
-    if e["tied_to"] is None
+  what = "AutoTP tp 2 x dp 2, ZeRO-1 fp32"
+  return bc.compare(
+    tag_dir, args.dir, what=what, repeat=args.repeat, json_path=args.json, verify=not args.no_check
   )
-  for r in results.values():
-    r.update(json.loads(r["output"].split("RESULT ", 1)[1].splitlines()[0]))
-  ucp, ds = results["ucp"], results["deepspeed"]
-  ucp["tree_rss"] = max(ucp["tree_rss"], ucp["ru_maxrss"])  # one process: the exact peak
-  speedup = ds["seconds"] / ucp["seconds"]
-  speedup_alone = ds["convert_s"] / ucp["convert_s"]
-  memory = ucp["tree_pss"] / ds["tree_pss"]
-  rows = [
-    [
-      name,
-      f"{r['seconds']:.2f}",
-      f"{r['import_s']:.2f}",
-      f"{r['convert_s']:.2f}",
-      bu.mib(r["tree_rss"]),
-      bu.mib(r["tree_pss"]),
-    ]
-    for name, r in results.items()
-  ]
-  print()
-  print(
-    f"source: {tag_dir} ({src_bytes / bu.MiB:.0f} MiB, AutoTP tp 2 x dp 2, ZeRO-1 fp32, "
-    f"{params / 1e6:.1f}M params); best of {max(1, args.repeat)}"
-  )
-  headers = ["converter", "wall s", "import s", "convert s", "peak RSS MiB", "peak PSS MiB"]
-  print(bu.table(headers, rows))
-  print()
-  print(
-    f"speed, whole command: ucp is {speedup:.1f}x faster (target >= 10x): {bu.verdict(speedup, 10)}"
-  )
-  print(
-    f"speed, conversion after imports: ucp is {speedup_alone:.1f}x faster (target >= 10x): "
-    f"{bu.verdict(speedup_alone, 10)}"
-  )
-  print(
-    f"memory: ucp peak PSS is {memory:.2f} of DeepSpeed's (target <= 0.5): "
-    f"{bu.verdict(memory, 0.5, higher_is_better=False)}"
-  )
-  if not args.no_check:
-    print(f"check: {bc.check(outs['ucp'], outs['deepspeed'])} arrays equal DeepSpeed's bit for bit")
-  if args.json:
-    for r in results.values():
-      r.pop("output", None)
-    summary = {"speedup": speedup, "speedup_convert": speedup_alone, "memory_ratio": memory}
-    bu.write_result(args.json, {"results": results, "params": params, **summary})
-  return 0
 
 
 if __name__ == "__main__":
