@@ -317,3 +317,23 @@ def _worker(process_id: int, port: int, workdir: str) -> None:
 
 if __name__ == "__main__":
   _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+
+
+def test_failed_async_save_at_exit_is_reported(tmp_path):
+  import subprocess
+  import sys
+  import textwrap
+
+  script = textwrap.dedent(
+    f"""
+    import numpy as np, ucp_jax
+    from ucp_jax import _writer
+    def boom(self, entries, budget):
+      raise OSError("disk full")
+    _writer.Writer._write_entries = boom
+    ucp_jax.save_async({str(tmp_path / "c")!r}, {{"w": np.ones(3)}})
+    """
+  )
+  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+  assert "failed and nobody waited for it" in proc.stderr and "disk full" in proc.stderr
+  assert not (tmp_path / "c").exists()

@@ -11,8 +11,10 @@ collectives, so the background thread cannot interleave collectives with a step.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
+import sys
 import threading
 from typing import Any
 
@@ -222,3 +224,18 @@ def _host_copy(data: Any) -> np.ndarray:
     if platform != "cpu" and data.sharding.memory_kind in (None, "device"):
       return np.asarray(data)
   return np.array(data, copy=True)
+
+
+@atexit.register
+def _report_unseen_error() -> None:
+  """An async save that failed while the program exited without waiting is not silent.
+
+  Runs after Python has joined the (non-daemon) writer thread.
+  """
+  handle = _pending
+  if handle is not None and handle._error is not None and not handle._seen:
+    print(
+      f"ucp_jax: save_async({handle._location!r}) failed and nobody waited for it; "
+      f"no checkpoint was committed: {handle._error!r}",
+      file=sys.stderr,
+    )
