@@ -303,6 +303,22 @@ def test_failure_leaves_the_old_export_and_no_staging(tmp_path, monkeypatch):
   assert (tmp_path / "ds" / "latest_universal").read_text() == "old"
 
 
+def test_concurrent_export_is_turned_away_and_dead_staging_removed(tmp_path):
+  from ucp_jax import _commit, _store
+
+  src = F.fixture_checkpoint("z1_fp32_dp2", tmp_path / "ckpt")
+  (tmp_path / ".ds.ucp-export-00000000deadbeef" / "x").mkdir(parents=True)  # a killed export's
+  lock = _commit.Lock(_store.resolve(tmp_path / "ds"), token=7)
+  lock.acquire()
+  try:
+    with pytest.raises(ucp_jax.ConcurrentWriteError, match="another save to this path"):
+      ucp_jax.export(src, tmp_path / "ds")
+  finally:
+    lock.release()
+  ucp_jax.export(src, tmp_path / "ds")
+  assert sorted(os.listdir(tmp_path)) == ["ckpt", "ds"]
+
+
 def test_torch_missing(tmp_path, monkeypatch):
   src = F.fixture_checkpoint("z1_fp32_dp2", tmp_path / "ckpt")
   monkeypatch.setitem(sys.modules, "torch", None)

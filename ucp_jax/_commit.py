@@ -155,18 +155,27 @@ def commit(staging: _store.Location, target: _store.Location, manifest: bytes) -
   if staging.local_dir is None:
     return
   _fsync_tree_metadata(staging.local_dir)
-  if os.path.isdir(target.local_dir) and os.listdir(target.local_dir):
-    if not _exchange(staging.local_dir, target.local_dir):
-      old = staging.local_dir + ".old"
-      os.rename(target.local_dir, old)
-      os.rename(staging.local_dir, target.local_dir)
-      staging = _store.resolve(old)
-    shutil.rmtree(staging.local_dir, ignore_errors=True)
+  swap_into_place(staging.local_dir, target.local_dir)
+
+
+def swap_into_place(staging_dir: str, target_dir: str) -> None:
+  """Makes the directory `staging_dir` visible as `target_dir` in one step.
+
+  An existing, non-empty `target_dir` is exchanged atomically where the kernel can
+  (renameat2), then deleted; the parent directory is fsynced.
+  """
+  if os.path.isdir(target_dir) and os.listdir(target_dir):
+    old = staging_dir
+    if not _exchange(staging_dir, target_dir):
+      old = staging_dir + ".old"
+      os.rename(target_dir, old)
+      os.rename(staging_dir, target_dir)
+    shutil.rmtree(old, ignore_errors=True)
   else:
-    if os.path.isdir(target.local_dir):
-      os.rmdir(target.local_dir)
-    os.rename(staging.local_dir, target.local_dir)
-  _fsync_dir(os.path.dirname(target.local_dir))
+    if os.path.isdir(target_dir):
+      os.rmdir(target_dir)
+    os.rename(staging_dir, target_dir)
+  _fsync_dir(os.path.dirname(target_dir))
 
 
 def abort(staging: _store.Location, target: _store.Location) -> None:

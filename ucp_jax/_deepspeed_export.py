@@ -21,7 +21,7 @@ with `torch.load(weights_only=True)`. torch is imported here, lazily: it is an o
 from __future__ import annotations
 
 import collections
-import contextlib
+import glob
 import os
 import secrets
 import shutil
@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from ucp_jax import _commit, _errors, _export, _export_schema, _reader
+from ucp_jax import _commit, _errors, _export, _export_schema, _reader, _store
 
 DS_VERSION = "0.19.8"
 """The DeepSpeed version whose `load_universal` this layout is written for (and tested with)."""
@@ -97,17 +97,23 @@ def write(
   parent, name = os.path.split(dst)
   os.makedirs(parent, exist_ok=True)
   staging = os.path.join(parent, f".{name}.ucp-export-{secrets.randbits(64):016x}")
+  lock = _commit.Lock(_store.resolve(dst), secrets.randbits(63))
+  lock.acquire()  # a second export to `dst` is turned away
   try:
+    for stale in glob.glob(os.path.join(parent, f".{name}.ucp-export-*")):
+      shutil.rmtree(stale, ignore_errors=True)  # left by an export that died
     writer = _Writer(torch, ckpt, plan, os.path.join(staging, tag), progress)
     writer.write_params()
     writer.write_optimizer_state(3 in stages)
     writer.write_model_states(stages, global_steps)
     with open(os.path.join(staging, LATEST), "w") as f:
       f.write(tag)
-    _commit_dir(staging, dst)
+    _commit.swap_into_place(staging, dst)
   except BaseException:
     shutil.rmtree(staging, ignore_errors=True)
     raise
+  finally:
+    lock.release()
   return _export.ExportReport(
     path=dst,
     tag=tag,
@@ -309,19 +315,3 @@ def tensor(torch, array: np.ndarray):
   if raw is not None:
     return torch.from_numpy(array.view(raw)).view(getattr(torch, array.dtype.name))
   return torch.from_numpy(array)
-
-
-def _commit_dir(staging: str, dst: str) -> None:
-  """Makes the staged export visible at `dst` in one step (an exchange when replacing)."""
-  if os.path.isdir(dst) and os.listdir(dst):
-    if _commit._exchange(staging, dst):
-      shutil.rmtree(staging, ignore_errors=True)  # now the old export
-      return
-    old = f"{staging}.old"
-    os.rename(dst, old)
-    os.rename(staging, dst)
-    shutil.rmtree(old, ignore_errors=True)
-    return
-  with contextlib.suppress(FileNotFoundError):
-    os.rmdir(dst)
-  os.rename(staging, dst)
