@@ -433,7 +433,7 @@ def test_restore_through_a_mapping_reads_each_device_slice_only(tmp_path, spec):
   # One slice in flight at a time (max_host_bytes=1), so concurrent reads of a chunk that two
   # slices share are not merged and the count is exact.
   out = ucp_jax.restore(
-    tmp_path / "c", target, subtree="params", mapping=TRANSPOSED, max_host_bytes=1
+    tmp_path / "c", target, subtree="params", rules=TRANSPOSED, max_host_bytes=1
   )
   assert _file_reads() - before == expected + 2  # + the manifest and the source's zarr.json
   kernel = out["blocks"][0]["kernel"]
@@ -446,11 +446,11 @@ def test_restore_through_a_stack_onto_a_mesh(tmp_path):
   mesh = jax.make_mesh((2, 4), ("x", "y"))
   sharding = NamedSharding(mesh, P("x", None, "y"))
   target = {"blocks": {"kernel": jax.ShapeDtypeStruct((4, 32, 16), np.float32, sharding=sharding)}}
-  out = ucp_jax.restore(tmp_path / "c", target, subtree="params", mapping=STACKED)
+  out = ucp_jax.restore(tmp_path / "c", target, subtree="params", rules=STACKED)
   np.testing.assert_array_equal(
     np.asarray(out["blocks"]["kernel"]), np.stack([sd[f"h.{i}.w"].T for i in range(4)])
   )
-  as_numpy = ucp_jax.restore(tmp_path / "c", subtree="params", mapping=STACKED)
+  as_numpy = ucp_jax.restore(tmp_path / "c", subtree="params", rules=STACKED)
   np.testing.assert_array_equal(as_numpy["blocks"]["kernel"], np.asarray(out["blocks"]["kernel"]))
 
 
@@ -458,7 +458,7 @@ def test_restore_through_a_mapping_lists_every_shape_mismatch(tmp_path):
   _save_layers(tmp_path / "c", n=2)
   target = {"blocks": [{"kernel": np.zeros((16, 32), np.float32)}] * 2}
   with pytest.raises(ucp_jax.ShapeMismatchError) as e:
-    ucp_jax.restore(tmp_path / "c", target, subtree="params", mapping=TRANSPOSED)
+    ucp_jax.restore(tmp_path / "c", target, subtree="params", rules=TRANSPOSED)
   where = str(tmp_path / "c")
   assert str(e.value) == (
     f"{where}: shapes differ:\n"
@@ -482,8 +482,8 @@ def test_restore_mapping_errors_name_the_checkpoint_and_partial_skips_unmatched(
       f"{tmp_path / 'd'}: cannot map these source names onto target keys:\n  other: no rule matches"
     ),
   ):
-    ucp_jax.restore(tmp_path / "d", target, subtree="params", mapping=TRANSPOSED)
-  out = ucp_jax.restore(tmp_path / "d", target, subtree="params", mapping=TRANSPOSED, partial=True)
+    ucp_jax.restore(tmp_path / "d", target, subtree="params", rules=TRANSPOSED)
+  out = ucp_jax.restore(tmp_path / "d", target, subtree="params", rules=TRANSPOSED, partial=True)
   assert out["blocks"][0]["kernel"].shape == (32, 16)
 
 
@@ -499,6 +499,6 @@ def test_chained_view_restores(tmp_path):
     "from params/layers.0.weight .. params/layers.1.weight"
   )
   out = ucp_jax.restore(
-    tmp_path / "c", {"k": np.zeros((2, 32, 16), np.float32)}, subtree="params", mapping=chain
+    tmp_path / "c", {"k": np.zeros((2, 32, 16), np.float32)}, subtree="params", rules=chain
   )
   np.testing.assert_array_equal(out["k"], np.stack([sd["h.0.w"].T, sd["h.1.w"].T]))

@@ -75,7 +75,7 @@ def test_torch_checkpoint_restores_onto_a_sharded_flax_model_and_exports_back(
   mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto))
   abstract = nnx.eval_shape(lambda: make_flax(stacked))
   target = tp_state(nnx.state(abstract, nnx.Param), mesh)
-  state = ucp_jax.restore(tmp_path / "ckpt", target, subtree="params", mapping=make_rules(stacked))
+  state = ucp_jax.restore(tmp_path / "ckpt", target, subtree="params", rules=make_rules(stacked))
   model = nnx.merge(nnx.graphdef(abstract), state)
 
   flat, _ = _tree.flatten(state)

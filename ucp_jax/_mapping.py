@@ -2,7 +2,7 @@
 
 A `RuleSet` is one stage of rules (every source name must match exactly one) and,
 optionally, a next stage that maps its output further (`a.then(b)`). It runs
-- lazily over a checkpoint (`view`, or `restore(..., mapping=rules)`), each target
+- lazily over a checkpoint (`view`, or `restore(..., rules=rules)`), each target
   array a TensorStore view of the stored source arrays;
 - eagerly on in-memory arrays, forward (`import_arrays`) and backward (`export_arrays`).
 """

@@ -40,7 +40,7 @@ def restore(
   subtree: str | None = None,
   partial: bool = False,
   cast: bool = False,
-  mapping: RuleSet | None = None,
+  rules: RuleSet | None = None,
   max_host_bytes: int = _save.DEFAULT_HOST_BYTES,
 ) -> Any:
   """Restores a checkpoint onto the layout `target` describes.
@@ -69,7 +69,7 @@ def restore(
       `target` then describes that subtree.
     partial: allow the checkpoint to hold keys that `target` does not ask for.
     cast: convert stored dtypes to the target's; without it a dtype difference is an error.
-    mapping: a `ucp_jax.rules.RuleSet` that renames and re-lays-out the stored arrays
+    rules: a `ucp_jax.rules.RuleSet` that renames and re-lays-out the stored arrays
       (below `subtree`, when given) into the target's keys, e.g. a torch state dict
       into a Flax model; devices still read only their slices.
     max_host_bytes: bound on array bytes held in host memory at once.
@@ -77,14 +77,14 @@ def restore(
   Raises:
     CheckpointNotFoundError, ManifestError: no readable checkpoint at `path`.
     TreeMismatchError: keys missing from the checkpoint, or unexpected ones (all listed).
-    MappingError: names or layouts that `mapping` cannot carry (all listed).
+    MappingError: names or layouts that `rules` cannot carry (all listed).
     ShapeMismatchError, DtypeMismatchError, ShardingError: per key, all listed.
     CorruptCheckpointError: a chunk fails its checksum.
   """
   ckpt = _reader.open(path)
   prefix = (subtree or "").strip("/")
-  if mapping is not None:
-    ckpt = mapping.view(ckpt, subtree=prefix, partial=partial)
+  if rules is not None:
+    ckpt = rules.view(ckpt, subtree=prefix, partial=partial)
   if target is None:
     return _restore_untargeted(ckpt, prefix, max_host_bytes)
   flat, unflatten = _tree.flatten(target, prefix=prefix)

@@ -4,7 +4,7 @@ A `Rule` maps source names matching a regex (`h\\.(\\d+)\\.mlp\\.fc\\.weight`) t
 target key template (`blocks/{0}/mlp/fc/kernel`) through per-array transforms;
 a `RuleSet` is an ordered list of rules (`+` unites, `then` chains). The same rules
 run forward, lazily over a checkpoint (`ucp_jax.restore(path, target,
-mapping=rules)`: each device reads only its slice) or eagerly on arrays
+rules=rules)`: each device reads only its slice) or eagerly on arrays
 (`RuleSet.import_arrays`), and backward for export (`RuleSet.export_arrays`).
 
 Transforms:
