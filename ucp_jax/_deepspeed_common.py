@@ -35,9 +35,9 @@ _ENGINE_KEYS = frozenset(
   | {"data_sampler", "random_ltd", "skipped_steps", "global_samples", "mp_world_size"}
   | {"checkpoint_parallel_dimensions", "ds_config", "sparse_tensor_module_names"}
 )
-_MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
-_ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
-_OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,14 +74,14 @@ def list_tag(folder: str) -> TagFiles:
   models, zero3_models, optims, other_mp = [], {}, {}, []
   prefixes: dict[str, list[str]] = {}
   for name in names:
-    if m := _MODEL_RE.match(name):
+    if m := MODEL_RE.match(name):
       (models if int(m.group(1)) == 0 else other_mp).append(name)
-    elif m := _ZERO3_MODEL_RE.match(name):
+    elif m := ZERO3_MODEL_RE.match(name):
       if int(m.group(2)) == 0:
         zero3_models[int(m.group(1))] = name
       else:
         other_mp.append(name)
-    elif m := _OPTIM_RE.match(name):
+    elif m := OPTIM_RE.match(name):
       if int(m.group(3)) == 0:
         optims[int(m.group(2))] = name
         prefixes.setdefault(m.group(1) or "", []).append(name)
@@ -89,8 +89,8 @@ def list_tag(folder: str) -> TagFiles:
         other_mp.append(name)
   layers = [n for n in names if n.startswith("layer_") and n.endswith("model_states.pt")]
   fail(
-    f"{folder}: tensor- or pipeline-parallel checkpoints are not supported yet (found files of "
-    "model-parallel ranks other than mp_rank_00, or pipeline layer files)",
+    f"{folder}: files of model-parallel ranks other than mp_rank_00, or pipeline layer files, in "
+    "a data-parallel tag folder (`ucp_jax.convert` reads such folders with its TP/PP source)",
     other_mp + layers,
   )
   if len(prefixes) > 1:

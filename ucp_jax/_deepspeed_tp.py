@@ -39,18 +39,19 @@ from ucp_jax._convert_plan import Param, Plan, Tensor, release
 from ucp_jax._errors import MappingError, SourceFormatError
 from ucp_jax._patterns import Pattern
 
-_MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
-_OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _LAYER_RE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
 _EXPERT_RE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 _EXPERT_KEY_RE = re.compile(r"^(.*\.deepspeed_experts\.)(\d+)\.(.*)$")
-_ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 
 
 def is_model_parallel(folder: str) -> bool:
   """Whether a tag folder holds files of model-parallel ranks other than 0, or layer files."""
   for name in os.listdir(folder):
-    m = _MODEL_RE.match(name) or _OPTIM_RE.match(name) or _ZERO3_MODEL_RE.match(name)
+    m = (
+      common.MODEL_RE.match(name)
+      or common.OPTIM_RE.match(name)
+      or common.ZERO3_MODEL_RE.match(name)
+    )
     if m and int(m.groups()[-1]) > 0:
       return True
     if _LAYER_RE.match(name) or _EXPERT_RE.match(name):
@@ -80,16 +81,18 @@ def plan(folder: str, *, rules: Sequence = ()) -> Plan:
       `universal_checkpoint_info` does not describe (or describes wrongly).
   """
   names = sorted(os.listdir(folder))
-  zero3 = [n for n in names if _ZERO3_MODEL_RE.match(n)]
+  zero3 = [n for n in names if common.ZERO3_MODEL_RE.match(n)]
   common.fail(
     f"{folder}: ZeRO-3 with tensor parallelism is not supported by this reader yet (use "
     "DeepSpeed's ds_to_universal, then convert its output)",
     zero3,
   )
-  models = {int(m.group(1)): os.path.join(folder, n) for n in names if (m := _MODEL_RE.match(n))}
+  models = {
+    int(m.group(1)): os.path.join(folder, n) for n in names if (m := common.MODEL_RE.match(n))
+  }
   optims: dict[int, dict[int, str]] = {}
   for n in names:
-    if m := _OPTIM_RE.match(n):
+    if m := common.OPTIM_RE.match(n):
       optims.setdefault(int(m.group(3)), {})[int(m.group(2))] = os.path.join(folder, n)
   if 0 not in models:
     raise SourceFormatError(f"{folder}: mp_rank_00_model_states.pt is missing")

@@ -50,6 +50,7 @@ class Writer:
     self._lock: _commit.Lock | None = None
     self._stores: dict[str, Any] = {}
     self._arrays: dict[str, _manifest.ArrayInfo] = {}
+    self._inflight: list[Any] = []  # direct chunk writes started, waited for before an abort
     self.staging: _store.Location | None = None
 
   def __enter__(self) -> Writer:
@@ -113,6 +114,17 @@ class Writer:
     self._together("writing shards", self._write_entries, entries, max_host_bytes)
 
   def _write_entries(self, entries: list[Entry], max_host_bytes: int) -> None:
+    try:
+      self._write_shards(entries, max_host_bytes)
+    except BaseException:
+      self._wait_inflight()  # before the other processes hear of it and the staging goes
+      raise
+
+  def _wait_inflight(self) -> None:
+    for future in self._inflight:
+      future.exception()
+
+  def _write_shards(self, entries: list[Entry], max_host_bytes: int) -> None:
     pending: list[tuple[Any, int]] = []
     held = 0
     for entry, index, data in _owned_shards(entries, self._primary):
@@ -138,6 +150,7 @@ class Writer:
       futures = _direct.write_region(
         os.path.join(self.staging.local_dir, key), host, index, info.chunks, info.shape
       )
+      self._inflight = [f for f in self._inflight if not f.done()] + futures
       return _AllOf(futures)
     return (
       self._stores[key][index].write(host, can_reference_source_data_indefinitely=immutable).commit
@@ -169,6 +182,8 @@ class Writer:
     self.staging = None
 
   def __exit__(self, exc_type, exc, tb) -> None:
+    if exc_type is not None:
+      self._wait_inflight()  # no chunk may land in the staging folder after it is gone
     if exc_type is not None and self._primary and self.staging is not None:
       _commit.abort(self.staging, self.target)
     self._release()
