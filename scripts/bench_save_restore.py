@@ -457,13 +457,38 @@ def _ratio(a, b):
   return None if a is None or b is None or b == 0 else a / b
 
 
+def _best_of(old: dict | None, new: dict) -> dict:
+  """Per phase the faster try, and the higher peak memory of all tries."""
+  if old is None or "error" in old:
+    return new
+  if "error" in new:
+    return old
+  merged = dict(old, phases=dict(old["phases"]))
+  for phase, stats in new["phases"].items():
+    kept = merged["phases"].get(phase)
+    faster = kept is None or stats["seconds"] < kept["seconds"]
+    best = dict(stats if faster else kept)
+    if kept is not None:
+      for key in ("peak_delta", "peak_rss"):
+        if key in stats and key in kept:
+          best[key] = max(stats[key], kept[key])
+      best["verified"] = (
+        None
+        if stats.get("verified") is None
+        else bool(stats.get("verified")) and bool(kept.get("verified"))
+      )
+    merged["phases"][phase] = best
+  return merged
+
+
 def report(results: dict, args) -> dict:
   nbytes = next((r["state_bytes"] for r in results.values() if "state_bytes" in r), 0)
   shape = next((r["array_shape"] for r in results.values() if "array_shape" in r), None)
   print()
   print(
     f"state: {args.arrays} x {shape} float32 = {nbytes / bu.MiB:.0f} MiB ({nbytes / bu.GB:.3f} GB) "
-    f"on 8 CPU devices; repeat={args.repeat} (best); drop_caches={args.drop_caches}; "
+    f"on 8 CPU devices; repeat={args.repeat}, rounds={args.rounds} (best); "
+    f"drop_caches={args.drop_caches}; "
     f"durable={args.durable}; dir={args.dir}"
   )
   rows = []
@@ -598,6 +623,9 @@ def main(argv=None) -> int:
   ap.add_argument("--size-mb", type=float, default=1024, help="total state size in MiB (1024)")
   ap.add_argument("--arrays", type=int, default=16, help="number of arrays (16)")
   ap.add_argument("--repeat", type=int, default=1, help="timed tries per phase, best kept (1)")
+  ap.add_argument(
+    "--rounds", type=int, default=1, help="runs of every contender, interleaved; best kept (1)"
+  )
   ap.add_argument("--dir", default=None, help="where checkpoints go (a temp dir under /tmp)")
   ap.add_argument("--json", default=None, help="write all numbers to this file")
   ap.add_argument("--drop-caches", action="store_true", help="drop the page cache before restores")
@@ -633,9 +661,13 @@ def main(argv=None) -> int:
     common.append("--durable")
   results = {}
   try:
-    for name in names:
-      print(f"running {name} ...", flush=True)
-      results[name] = bu.run_worker(os.path.abspath(__file__), name, common, env=dict(os.environ))
+    # Rounds interleave the contenders, so that the page cache's drift over the run (this
+    # machine's writeback varies several-fold) does not favour whoever runs at a calm moment.
+    for rnd in range(args.rounds):
+      for name in names:
+        print(f"running {name} (round {rnd + 1} of {args.rounds}) ...", flush=True)
+        run = bu.run_worker(os.path.abspath(__file__), name, common, env=dict(os.environ))
+        results[name] = _best_of(results.get(name), run)
   finally:
     if made_dir:
       shutil.rmtree(args.dir, ignore_errors=True)
