@@ -288,8 +288,8 @@ def compare(
   outs = {"ucp": os.path.join(root, "out_ucp"), "deepspeed": os.path.join(root, "out_ds")}
   cmds = {"ucp": _ucp_cmd(tag_dir, outs["ucp"]), "deepspeed": _ds_cmd(tag_dir, outs["deepspeed"])}
   results: dict[str, dict] = {}
-  for name, cmd in cmds.items():
-    for _ in range(max(1, repeat)):
+  for _ in range(max(1, repeat)):  # contenders interleaved: the page cache drifts over a run
+    for name, cmd in cmds.items():
       shutil.rmtree(outs[name], ignore_errors=True)
       _warm(tag_dir)
       os.sync()
@@ -297,6 +297,7 @@ def compare(
       result = run(cmd, env)
       if name not in results or result["seconds"] < results[name]["seconds"]:
         results[name] = result
+  for name in cmds:
     print(f"{name}: {results[name]['seconds']:.2f} s", flush=True)
   with open(os.path.join(outs["ucp"], "manifest.json")) as f:
     manifest = json.load(f)
