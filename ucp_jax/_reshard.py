@@ -13,9 +13,12 @@ from ucp_jax import _direct, _errors, _hostmem, _regions, _tree
 def reshard(tree: Any, shardings: Any, *, method: str = "auto") -> Any:
   """Moves every array of `tree` onto the matching sharding of `shardings`.
 
-  On CPU, copying each target shard out of the source shards in host memory is
-  several times faster than `jax.device_put`; elsewhere (GPU, TPU) and when the
-  source lives partly on other processes, XLA's collectives do the move.
+  On CPU, the default copies each target shard out of the source shards in host
+  memory: 2.8x-6x faster than `jax.device_put` the first time a layout change is
+  made (device_put compiles then), about as fast or slower once device_put has
+  compiled it (pass `method="device_put"` for a reshard repeated in a loop).
+  Elsewhere (GPU, TPU), and when the source lives partly on other processes, XLA's
+  collectives do the move.
 
   Example:
     >>> import jax, jax.numpy as jnp, ucp_jax
