@@ -329,3 +329,26 @@ def source(plan_path: str, kind: str, source_layout: dict) -> dict:
     "tag": os.path.basename(folder),
     **{k: v for k, v in source_layout.items() if k != "ds_version"},
   }
+
+
+OSD = "['optimizer_state_dict']"
+
+
+def load_optim_files(
+  paths: list[str], osd_keys: tuple[str, ...], check_osd
+) -> tuple[list[dict | None], list, list[str]]:
+  """Each rank file's `optimizer_state_dict`, its `(path, ds_version)`, and the problems.
+
+  `check_osd(osd, path)` returns the stage-specific problems of one state dict.
+  """
+  problems, osds, versions = [], [], []
+  for path in paths:
+    data = load(path)
+    versions.append((path, data.get("ds_version") if isinstance(data, dict) else None))
+    problems += missing_keys(data, ("optimizer_state_dict", "ds_version"), path)
+    osd = data.get("optimizer_state_dict") if isinstance(data, dict) else None
+    osds.append(osd)
+    if osd is not None:
+      problems += missing_keys(osd, osd_keys, path, OSD)
+      problems += check_osd(osd, path)
+  return osds, versions, problems

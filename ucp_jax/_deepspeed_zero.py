@@ -29,7 +29,7 @@ OSD_KEYS = (
   "ds_version",
 )
 """`optimizer_state_dict` keys of ZeRO-1/2 and the BF16 optimizer (§5)."""
-_OSD = "['optimizer_state_dict']"
+_OSD = common.OSD
 _PER_GROUP = ("single_partition_of_fp32_groups", "group_paddings", "param_slice_mappings")
 
 
@@ -69,29 +69,24 @@ def plan(files: common.TagFiles) -> Plan:
   )
 
 
+def _check_base(osd: dict, path: str) -> list[str]:
+  base = osd.get("base_optimizer_state") if isinstance(osd, dict) else None
+  if isinstance(base, list):
+    return [
+      f"{path}: {_OSD}['base_optimizer_state'] is a list: the elastic checkpoint layout "
+      "(zero_optimization.elastic_checkpoint: true), which keeps no per-group "
+      "hyperparameters, is not supported"
+    ]
+  if base is None:
+    return []
+  return common.missing_keys(
+    base, ("state", "param_groups"), path, f"{_OSD}['base_optimizer_state']"
+  )
+
+
 def load_optim_states(folder: str, paths: list[str]) -> tuple[list[dict], list]:
   """Each rank's `optimizer_state_dict` (keys checked) and its file's `(path, ds_version)`."""
-  problems, osds, versions = [], [], []
-  for path in paths:
-    data = common.load(path)
-    versions.append((path, data.get("ds_version") if isinstance(data, dict) else None))
-    problems += common.missing_keys(data, ("optimizer_state_dict", "ds_version"), path)
-    osd = data.get("optimizer_state_dict") if isinstance(data, dict) else None
-    osds.append(osd)
-    if osd is None:
-      continue
-    problems += common.missing_keys(osd, OSD_KEYS, path, _OSD)
-    base = osd.get("base_optimizer_state") if isinstance(osd, dict) else None
-    if isinstance(base, list):
-      problems.append(
-        f"{path}: {_OSD}['base_optimizer_state'] is a list: the elastic checkpoint layout "
-        "(zero_optimization.elastic_checkpoint: true), which keeps no per-group "
-        "hyperparameters, is not supported"
-      )
-    elif base is not None:
-      problems += common.missing_keys(
-        base, ("state", "param_groups"), path, f"{_OSD}['base_optimizer_state']"
-      )
+  osds, versions, problems = common.load_optim_files(paths, OSD_KEYS, _check_base)
   common.fail(
     f"{folder}: not a DeepSpeed ZeRO-1/2 or BF16-optimizer checkpoint of a known layout "
     f"(DeepSpeed 0.19.8: {_OSD} with keys {OSD_KEYS}, and base_optimizer_state with "

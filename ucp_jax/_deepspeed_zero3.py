@@ -20,7 +20,7 @@ from ucp_jax._convert_plan import Param, Plan, Tensor, fixed
 
 OSD_KEYS = ("zero_stage", "partition_count", "optimizer_state_dict", "fp32_flat_groups")
 """`optimizer_state_dict` keys of ZeRO-3 (§5)."""
-_OSD = "['optimizer_state_dict']"
+_OSD = common.OSD
 _SAME_IN_MODELS = (
   "global_steps",
   "dp_world_size",
@@ -97,20 +97,15 @@ def load_models(folder: str, paths: list[str]) -> list[dict]:
   return models
 
 
+def _check_inner(osd: dict, path: str) -> list[str]:
+  inner = osd.get("optimizer_state_dict") if isinstance(osd, dict) else None
+  if inner is None:
+    return []
+  return common.missing_keys(inner, ("state", "param_groups"), path, f"{_OSD}{_OSD}")
+
+
 def _load_optim_states(folder: str, paths: list[str]) -> tuple[list[dict], list]:
-  problems, osds, versions = [], [], []
-  for path in paths:
-    data = common.load(path)
-    versions.append((path, data.get("ds_version") if isinstance(data, dict) else None))
-    problems += common.missing_keys(data, ("optimizer_state_dict", "ds_version"), path)
-    osd = data.get("optimizer_state_dict") if isinstance(data, dict) else None
-    osds.append(osd)
-    if osd is not None:
-      problems += common.missing_keys(osd, OSD_KEYS, path, _OSD)
-      inner = osd.get("optimizer_state_dict") if isinstance(osd, dict) else None
-      if inner is not None:
-        where = f"{_OSD}{_OSD}"
-        problems += common.missing_keys(inner, ("state", "param_groups"), path, where)
+  osds, versions, problems = common.load_optim_files(paths, OSD_KEYS, _check_inner)
   common.fail(
     f"{folder}: not a DeepSpeed ZeRO-3 checkpoint of a known layout (DeepSpeed 0.19.8: {_OSD} "
     f"with keys {OSD_KEYS}, and its optimizer_state_dict with 'state' and 'param_groups')",
