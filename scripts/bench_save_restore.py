@@ -27,7 +27,14 @@ peak RSS is per contender:
                 What the disk and page cache allow; no device transfer on either side.
   reshard_ucp / reshard_device_put
                 ucp_jax.reshard(state, different-mesh shardings) vs jax.device_put(state, same).
-                One untimed warm-up call each first (device_put compiles its transfer).
+                The first call is timed on its own (device_put compiles its resharding then),
+                then `--repeat` further calls.
+  reshard_memcpy
+                The floor for any reshard that copies: numpy copies the same target slices out
+                of the same source shards on 2 threads, with no JAX in the way. First call into
+                fresh buffers (the kernel must fault every page in), repeated calls into buffers
+                allocated and touched once (as a warm allocator hands out). Reported against
+                device_put as the ceiling of any copying reshard's speedup on this machine.
 
 Every phase: wall time (results block_until_ready; Orbax saves include wait_until_finished),
 GB/s (10^9 bytes/s of array data) and peak RSS (the phase's own peak via /proc/self/clear_refs:
@@ -67,7 +74,9 @@ if _FLAG not in os.environ.get("XLA_FLAGS", ""):
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench_util as bu  # noqa: E402
 
-CONTENDERS = ("ucp", "orbax", "orbax_nozstd", "raw", "reshard_ucp", "reshard_device_put")
+CONTENDERS = (
+  "ucp", "orbax", "orbax_nozstd", "raw", "reshard_ucp", "reshard_device_put", "reshard_memcpy",
+)  # fmt: skip
 PHASES = ("save", "restore_same", "restore_diff", "reshard_first", "reshard")
 PHASE_LABEL = {
   "save": "save",
@@ -417,6 +426,63 @@ def worker_reshard_device_put(*a):
   _worker_reshard(*a, method="device_put")
 
 
+def worker_reshard_memcpy(ph, state, crcs, same, diff, root):
+  """Copies every target slice with numpy alone: what copying memory costs on this machine."""
+  from concurrent.futures import ThreadPoolExecutor
+
+  import numpy as np
+
+  jobs = []  # (key, target index, [(source index, source view)])
+  for key, x in state.items():
+    sources = [(s.index, np.asarray(s.data)) for s in x.addressable_shards if s.replica_id == 0]
+    for index in diff[key].addressable_devices_indices_map(x.shape).values():
+      jobs.append((key, _bounds(index, x.shape), [(_bounds(i, x.shape), v) for i, v in sources]))
+  warm = [np.ones([b - a for a, b in region], np.float32) for _, region, _ in jobs]
+
+  def copy(job, out):
+    _, region, sources = job
+    out = np.empty([b - a for a, b in region], np.float32) if out is None else out
+    for src_region, view in sources:
+      lo = [max(a, c) for (a, _), (c, _) in zip(region, src_region)]
+      hi = [min(b, d) for (_, b), (_, d) in zip(region, src_region)]
+      if all(a < b for a, b in zip(lo, hi)):
+        dst = tuple(slice(a - r, b - r) for a, b, (r, _) in zip(lo, hi, region))
+        src = tuple(slice(a - r, b - r) for a, b, (r, _) in zip(lo, hi, src_region))
+        out[dst] = view[src]
+    return out
+
+  pool = ThreadPoolExecutor(2)
+
+  def fresh():
+    return list(pool.map(copy, jobs, [None] * len(jobs)))
+
+  def reuse():
+    return list(pool.map(copy, jobs, warm))
+
+  def check(outs):
+    return verify(_stitch(jobs, outs, state), crcs)
+
+  repeat = ph.args.repeat
+  ph.args.repeat = 1
+  ph.run("reshard_first", fresh, check=check)
+  ph.args.repeat = repeat
+  ph.run("reshard", reuse, check=check)
+
+
+def _bounds(index, shape):
+  return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+
+
+def _stitch(jobs, outs, state):
+  """Whole host arrays from the copied slices (for verification only)."""
+  import numpy as np
+
+  full = {k: np.empty(x.shape, x.dtype) for k, x in state.items()}
+  for (key, region, _), out in zip(jobs, outs):
+    full[key][tuple(slice(a, b) for a, b in region)] = out
+  return full
+
+
 def worker_main(args) -> int:
   import jax
 
@@ -580,6 +646,17 @@ def report(results: dict, args) -> dict:
       True,
     ),
   ]
+  # What memory bandwidth allows any reshard that copies: device_put's time over numpy's.
+  ceilings = [
+    (
+      "ceiling of any copying reshard vs device_put, first call (fresh memory)",
+      _ratio(s("reshard_device_put", "reshard_first"), s("reshard_memcpy", "reshard_first")),
+    ),
+    (
+      "ceiling of any copying reshard vs device_put, repeated (warm memory)",
+      _ratio(s("reshard_device_put", "reshard"), s("reshard_memcpy", "reshard")),
+    ),
+  ]
   crow = []
   for desc, value, target, higher in checks:
     tgt = (">= " if higher else "<= ") + (
@@ -589,6 +666,15 @@ def report(results: dict, args) -> dict:
     crow.append([desc, val, tgt, bu.verdict(value, target, higher)])
   print()
   print(bu.table(["ratio", "value", "target", ""], crow, align="lrrl"))
+  if any(v is not None for _, v in ceilings):
+    print()
+    print(
+      bu.table(
+        ["bound (numpy copies of the same slices)", "value"],
+        [[d, "-" if v is None else f"{v:.2f}x"] for d, v in ceilings],
+        align="lr",
+      )
+    )
   for w in ("orbax", "orbax_nozstd"):
     print(f"{w}: {ORBAX_OPTIONS[w]}")
   problems = []
@@ -612,6 +698,7 @@ def report(results: dict, args) -> dict:
       {"ratio": d, "value": v, "target": t, "higher_is_better": h, "pass": bu.verdict(v, t, h)}
       for d, v, t, h in checks
     ],
+    "bounds": [{"ratio": d, "value": v} for d, v in ceilings],
     "errors": problems,
   }
 
