@@ -345,6 +345,20 @@ def test_reshard_keys_and_one_sharding_for_all():
   assert out["w"].sharding == dst
 
 
+def test_reshard_passes_python_numbers_through():
+  dst = NamedSharding(MESHES["8"](), P("x"))
+  state = {"w": jnp.ones(8), "step": 100, "lr": 0.5}
+  for method in ("host", "device_put", "auto"):
+    out = ucp_jax.reshard(state, dst, method=method)
+    assert out["w"].sharding == dst and out["step"] == 100 and out["lr"] == 0.5
+  # in a shardings tree, a number's entry may be a sharding or missing
+  assert ucp_jax.reshard(state, {"w": dst, "step": dst, "lr": None})["step"] == 100
+  with pytest.raises(ucp_jax.UnsupportedLeafError, match="a: ndarray"):
+    ucp_jax.reshard({"a": np.ones(8)}, dst)  # host arrays are not moved silently
+  with pytest.raises(ucp_jax.TreeMismatchError, match="w: array without a sharding"):
+    ucp_jax.reshard(state, {"step": dst})
+
+
 def test_restore_slices_smaller_than_a_chunk(tmp_path):
   data = np.arange(10, dtype=np.int32)
   ucp_jax.save(tmp_path / "c", {"v": data})  # one chunk of 10

@@ -40,11 +40,15 @@ def tp_shardings(
   """A restore target: a `NamedSharding` for every array of a converted TP checkpoint.
 
   Example:
-    >>> mesh = jax.make_mesh((2, 4), ("data", "model"))  # doctest: +SKIP
-    >>> target = ucp_jax.tp_shardings("converted", mesh)  # doctest: +SKIP
-    >>> target["params"]["layers.0.mlp.down_proj.weight"].spec  # doctest: +SKIP
-    PartitionSpec(None, 'model')
-    >>> state = ucp_jax.restore("converted", target)  # doctest: +SKIP
+    >>> import jax, ucp_jax
+    >>> from jax.sharding import PartitionSpec as P
+    >>> _ = ucp_jax.convert("tests/fixtures/tp/autotp_tp2_dp1/ckpt",  # DeepSpeed AutoTP, TP=2
+    ...                     "/tmp/ucp_doc_tp", overwrite=True)
+    >>> mesh = jax.make_mesh((1, jax.device_count()), ("data", "model"))
+    >>> target = ucp_jax.tp_shardings("/tmp/ucp_doc_tp", mesh)
+    >>> target["params"]["layers.0.mlp.down_proj.weight"].spec == P(None, "model")  # row
+    True
+    >>> state = ucp_jax.restore("/tmp/ucp_doc_tp", target)
 
   Args:
     ckpt: a checkpoint path or an open `Checkpoint` (converted by `ucp_jax.convert`).
