@@ -43,12 +43,13 @@ def torch_named(ckpt: _reader.Checkpoint, rules) -> _reader.Checkpoint:
   flax_key = {
     n: key for key, sources in rules.map_names(names, partial=True).items() for n in sources
   }
-  groups_of = {n: (params.get(flax_key.get(n)) or {}).get("group", 0) for n in names}
+  entries = {n: params.get(flax_key.get(n)) or {} for n in names}
+  frozen = {n for n in names if entries[n].get("frozen", False)}  # a value, no slots
   missing = [
     f"{role}: {n}"
     for role, arrays in mapped.items()
     for n in names
-    if n not in arrays and n not in tied
+    if n not in arrays and n not in tied and (role == "params" or n not in frozen)
   ]
   if missing:
     raise _errors.MappingError(
@@ -69,7 +70,7 @@ def torch_named(ckpt: _reader.Checkpoint, rules) -> _reader.Checkpoint:
     new_params[name] = {
       "value": f"params/{name}",
       "slots": slots,
-      "group": groups_of[name],
+      "group": entries[name].get("group", 0),
       "frozen": not slots,
     }
   new_schema = {

@@ -48,27 +48,31 @@ def find_slots(param_keys: list[str], opt_keys: list[str]) -> SlotMap:
   """Locates every parameter's slots among the optimizer state's keys.
 
   `param_keys` are relative to the parameter tree (`fc1/kernel`), as they appear again
-  below `mu/`, `nu/` or `trace/` in the optimizer state.
+  below `mu/`, `nu/` or `trace/` in the optimizer state. Groups are numbered in the order
+  their states appear in `opt_keys` (the optimizer's own order: a chain's position,
+  `optax.multi_transform`'s labels sorted), not by which parameter comes first.
   """
   by_suffix: dict[str, list[tuple[str, str]]] = {}
+  first_slot: dict[str, str] = {}  # state prefix -> its first slot name, in state order
   for key in opt_keys:
     parts = key.split("/")
     for i, part in enumerate(parts[:-1]):
       if part in _SLOTS:
-        by_suffix.setdefault("/".join(parts[i + 1 :]), []).append(("/".join(parts[:i]), part))
-  groups: list[Group] = []
-  index: dict[str, int] = {}
+        prefix = "/".join(parts[:i])
+        by_suffix.setdefault("/".join(parts[i + 1 :]), []).append((prefix, part))
+        first_slot.setdefault(prefix, part)
   slots: dict[str, dict[str, str]] = {}
-  group_of: dict[str, int] = {}
-  opt_set = set(opt_keys)
+  owner: dict[str, str] = {}
   for param in param_keys:
     for prefix, slot in by_suffix.get(param, []):
-      if prefix not in index:
-        index[prefix] = len(groups)
-        groups.append(_group(prefix, slot, opt_set))
       slots.setdefault(param, {})[_SLOTS[slot]] = f"{prefix}/{slot}/{param}"
-      group_of[param] = index[prefix]
-  return SlotMap(groups, slots, group_of)
+      owner[param] = prefix
+  used = set(owner.values())
+  prefixes = [p for p in first_slot if p in used]
+  opt_set = set(opt_keys)
+  groups = [_group(p, first_slot[p], opt_set) for p in prefixes]
+  index = {p: i for i, p in enumerate(prefixes)}
+  return SlotMap(groups, slots, {param: index[p] for param, p in owner.items()})
 
 
 def _group(prefix: str, slot: str, opt_keys: set[str]) -> Group:

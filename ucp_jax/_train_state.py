@@ -46,7 +46,9 @@ def save_train_state(
     optimizer: the `nnx.Optimizer`, for NNX.
     step: the training step (default: the optimizer's step).
     hyperparams: per-group hyperparameters in torch's names (`lr`, `betas`, `eps`,
-      `weight_decay`, `momentum`): one dict for all groups or one per group. Needed for a
+      `weight_decay`, `momentum`): one dict for all groups or one per group, in the
+      optimizer's group order (each Optax state with slots is a group, numbered as they
+      appear in the optimizer state: `optax.multi_transform` by label, sorted). Needed for a
       DeepSpeed export unless the optimizer uses `optax.inject_hyperparams`.
     **save_options: passed to `ucp_jax.save` (`overwrite`, `metadata`, ...).
   """
@@ -85,12 +87,18 @@ def restore_train_state(
     cast: allow dtype conversion (e.g. fp32 masters into a bf16 model).
     max_host_bytes: as for `ucp_jax.restore`.
 
+  Every parameter's slots are restored by name. A converted checkpoint's parameter
+  groups are matched to the Optax groups (e.g. `optax.multi_transform` labels) by the
+  parameters they hold, in any order; one Optax state may hold them all (a masked
+  `optax.adamw`). Buffers are restored where `rules` map them onto model variables.
+
   Raises:
-    MappingError: unmapped names, missing optimizer slots, a different number of
-      parameter groups: all listed at once, before any array is read.
+    MappingError: unmapped names, missing optimizer slots, Optax groups that are not the
+      checkpoint's (another number, or one holding parameters of two checkpoint groups):
+      all listed at once, before any array is read.
   """
   ckpt = _reader.open(path)
-  tree, params_prefix, param_keys, _ = _layout(model, optimizer)
+  tree, params_prefix, param_keys, buffer_keys = _layout(model, optimizer)
   tree = _with_mesh(tree, mesh)
   flat, unflatten = _tree.flatten(tree)
   flat = _place_stragglers(flat, params_prefix, param_keys)
@@ -101,12 +109,18 @@ def restore_train_state(
   if naming == "flax" and rules is None:
     values = _restore.restore(ckpt, tree, **options)
   else:
-    values = unflatten(_restore_converted(ckpt, flat, params_prefix, param_keys, rules, options))
+    keys = (params_prefix, param_keys, buffer_keys)
+    values = unflatten(_restore_converted(ckpt, flat, keys, rules, options))
   return _apply(model, optimizer, values)
 
 
-def _restore_converted(ckpt, flat, params_prefix, param_keys, rules, options) -> dict[str, Any]:
-  """Parameters and slots from a torch-named checkpoint, through `rules`."""
+def _restore_converted(ckpt, flat, keys, rules, options) -> dict[str, Any]:
+  """Parameters, slots and buffers from a torch-named checkpoint, through `rules`.
+
+  Every parameter needs its value and slots; a buffer is restored where the rules map a
+  checkpoint buffer onto a model variable, other variables (RNG state) are kept.
+  """
+  params_prefix, param_keys, buffer_keys = keys
   schema = ckpt.manifest.schema or {}
   if rules is None:
     raise _errors.MappingError(
@@ -118,6 +132,9 @@ def _restore_converted(ckpt, flat, params_prefix, param_keys, rules, options) ->
   for param, by_slot in slots.slots.items():
     for slot, key in by_slot.items():
       wanted.setdefault(slot, {})[param] = key
+  buffers = rules.map_names(list(schema.get("buffers") or {}), partial=True)
+  if any(k in buffers for k in buffer_keys):
+    wanted["buffers"] = {k: f"{params_prefix}/{k}" for k in buffer_keys if k in buffers}
   problems, views = [], {}
   for subtree in wanted:
     try:
@@ -128,11 +145,7 @@ def _restore_converted(ckpt, flat, params_prefix, param_keys, rules, options) ->
     found = {k[len(subtree) + 1 :] for k in views[subtree].keys()} if subtree in views else set()
     missing = sorted(set(keys) - found) if subtree in views else []
     problems += [f"{k}: no `{subtree}` for it in the checkpoint" for k in missing]
-  groups = (schema.get("optimizer") or {}).get("groups") or []
-  if len(slots.groups) > 1 and len(slots.groups) != len(groups):
-    problems.append(
-      f"the optimizer has {len(slots.groups)} parameter groups, the checkpoint {len(groups)}"
-    )
+  problems += _group_problems(schema, rules, slots)
   if problems:
     raise _errors.MappingError(
       f"{ckpt.location}: cannot restore this training state:\n" + _errors.bullet_list(problems)
@@ -150,6 +163,58 @@ def _restore_converted(ckpt, flat, params_prefix, param_keys, rules, options) ->
       if key in flat:
         values[key] = _like(flat[key], step)
   return values
+
+
+def _group_problems(schema: dict, rules: Any, slots: _optax.SlotMap) -> list[str]:
+  """Several Optax groups must hold the checkpoint's groups one each, matched by membership.
+
+  The moments are restored per parameter whatever the groups; this catches an Optax
+  partition (e.g. `optax.multi_transform` labels) that differs from the source's, which
+  would train some parameters with another group's hyperparameters. One Optax state for
+  every parameter (a masked `optax.adamw`) may hold several checkpoint groups.
+  """
+  groups = (schema.get("optimizer") or {}).get("groups") or []
+  if len(slots.groups) < 2:
+    return []
+  if len(slots.groups) != len(groups):
+    return [f"the optimizer has {len(slots.groups)} parameter groups, the checkpoint {len(groups)}"]
+  entries = schema.get("params") or {}
+  named = [n for n, e in entries.items() if isinstance(e, dict) and e.get("group") is not None]
+  source_groups = {  # model key -> checkpoint groups of the names mapped onto it
+    key: {entries[n]["group"] for n in names}
+    for key, names in rules.map_names(named, partial=True).items()
+  }
+  members: list[dict[int, list[str]]] = [{} for _ in slots.groups]  # optax -> ckpt groups
+  for param, index in slots.group_of.items():
+    for group in sorted(source_groups.get(param, ())):
+      members[index].setdefault(group, []).append(param)
+  problems = [
+    f"optimizer group {i} (`{slots.groups[i].prefix}`) holds parameters of several checkpoint "
+    "groups (each Optax group must hold exactly one checkpoint group's, in any order): "
+    + "; ".join(f"{_group_name(groups, g)}: {', '.join(ps)}" for g, ps in sorted(found.items()))
+    for i, found in enumerate(members)
+    if len(found) > 1
+  ]
+  if problems:
+    return problems
+  holder: dict[int, int] = {}
+  for i, found in enumerate(members):
+    for group in found:
+      if group in holder:
+        j = holder[group]
+        problems.append(
+          f"optimizer groups {j} (`{slots.groups[j].prefix}`) and {i} (`{slots.groups[i].prefix}`)"
+          f" both hold {_group_name(groups, group)}"
+        )
+      holder[group] = i
+  return problems
+
+
+def _group_name(groups: list[dict], group: int) -> str:
+  """`checkpoint group 1 (lr 0.005, weight_decay 0.0)`."""
+  hyper = groups[group] if isinstance(group, int) and 0 <= group < len(groups) else {}
+  shown = ", ".join(f"{k} {hyper[k]}" for k in ("lr", "weight_decay") if k in hyper)
+  return f"checkpoint group {group}" + (f" ({shown})" if shown else "")
 
 
 def _place_stragglers(flat: dict[str, Any], params_prefix: str, param_keys: list[str]) -> dict:

@@ -7,13 +7,16 @@ state from `zero/`. Measured against its source (docs/export.md), it also:
 - never loads the model-states `module` (engine.py `_load_checkpoint` skips
   `load_module_state_dict` for universal loads): buffers and frozen parameters keep the values
   the model was built with;
+- ZeRO-1/2 (base_optimizer.py): gives the engine's param group i the hyperparameters of the
+  file's group i, by position, whatever parameters each holds: an export whose groups are
+  numbered otherwise (a JAX optimizer's order) would swap them silently;
 - ZeRO-3 (stage3.py `load_hp_checkpoint_state_from_checkpoint_dir_stage3`): applies
   `param_groups[0]`'s hyperparameters to every group, and gives every sub-group the *same*
   step tensor, which torch's Adam increments in place once per sub-group: with S sub-groups
   the step count advances S times per optimizer step (wrong bias correction).
 
 No file can change that code. `finish_load`, called right after `load_checkpoint`, fixes all
-three from the files `ucp_jax.export` writes (and, except frozen parameters, from
+of it from the files `ucp_jax.export` writes (and, except frozen parameters, from
 `ds_to_universal`'s). Needs torch and deepspeed (imported when called).
 """
 
@@ -29,8 +32,10 @@ def finish_load(engine, load_dir: str | os.PathLike, tag: str | None = None) -> 
 
   - buffers and frozen parameters from the model-states `module` (ZeRO-3: each frozen
     parameter is gathered, set and re-partitioned, a collective);
-  - ZeRO-3: each param group's own hyperparameters from `zero/optimizer_state.pt`'s
-    `param_groups`, and one step tensor per sub-group.
+  - each param group's own hyperparameters from `zero/optimizer_state.pt`'s `param_groups`:
+    the file's group with the same parameters (the model states' `param_shapes` name each
+    group's), in whatever order the two list them;
+  - ZeRO-3: one step tensor per sub-group.
 
   Trainable parameters in `module` are skipped (the optimizer path restores them from fp32),
   and so are empty placeholders (DeepSpeed's own ZeRO-3 model states hold no values).
@@ -50,6 +55,8 @@ def finish_load(engine, load_dir: str | os.PathLike, tag: str | None = None) -> 
 
   Raises:
     KeyError: a name in `module` that the engine's model has neither as buffer nor parameter.
+    ValueError: an engine param group whose parameters are not exactly one group's of the
+      checkpoint (the checkpoint was made with other param groups).
   """
   import torch
 
@@ -62,14 +69,17 @@ def finish_load(engine, load_dir: str | os.PathLike, tag: str | None = None) -> 
   # DeepSpeed's load_checkpoint has just loaded these files with weights_only=False; the
   # files ucp_jax writes also load with weights_only=True, ds_to_universal's do not.
   states = torch.load(os.path.join(load_dir, tag, name), map_location="cpu", weights_only=False)
+  optim = torch.load(
+    os.path.join(load_dir, tag, "zero", "optimizer_state.pt"),
+    map_location="cpu",
+    weights_only=False,
+  )
+  saved = _matching_groups(engine, optim.get("param_groups") or [], states.get("param_shapes"))
   copied = _copy_module(engine, states["module"], f"{load_dir}/{tag}/{name}")
+  for group, hyper in zip(engine.optimizer.optimizer.param_groups, saved):
+    group.update((k, v) for k, v in hyper.items() if k != "params")
   if zero3:
-    optim = torch.load(
-      os.path.join(load_dir, tag, "zero", "optimizer_state.pt"),
-      map_location="cpu",
-      weights_only=False,
-    )
-    _fix_zero3_optimizer(engine.optimizer, optim.get("param_groups") or [])
+    _unshare_zero3_steps(engine.optimizer)
   return copied
 
 
@@ -101,10 +111,51 @@ def _copy_module(engine, module: dict, where: str) -> list[str]:
   return copied
 
 
-def _fix_zero3_optimizer(optimizer, groups: list[dict]) -> None:
+def _matching_groups(engine, saved: list[dict], shapes) -> list[dict]:
+  """The file's param group for each of the engine's, matched by parameter names.
+
+  By position where the files do not name one group's parameters per group (DeepSpeed's
+  own ZeRO-3 files list sub-groups) or the engine keeps no per-group parameter lists.
+  """
+  engine_groups = _engine_groups(engine)
+  per_group = isinstance(shapes, list) and len(shapes) == len(saved)
+  if engine_groups is None or not per_group or not all(hasattr(s, "keys") for s in shapes):
+    return saved
+  files = [set(s.keys()) for s in shapes]
+  out, problems = [], []
+  for i, names in enumerate(engine_groups):
+    match = [saved[j] for j, f in enumerate(files) if f == names]
+    out += match[:1]
+    if not match:
+      problems.append(f"engine group {i}: {', '.join(sorted(names))}")
+  if problems:
+    listed = [f"checkpoint group {j}: {', '.join(sorted(f))}" for j, f in enumerate(files)]
+    raise ValueError(
+      "the engine's param groups are not the checkpoint's (each must hold exactly the "
+      "parameters of one checkpoint group, in any order):\n  " + "\n  ".join([*problems, *listed])
+    )
+  return out
+
+
+def _engine_groups(engine) -> list[set[str]] | None:
+  """The parameter names of each of the engine's param groups (None: not known)."""
+  opt, names = engine.optimizer, engine.param_names
+  groups: list[set[str]] = [set() for _ in opt.optimizer.param_groups]
+  if engine.zero_optimization_partition_weights():  # ZeRO-3: sub-groups of param groups
+    owner = getattr(opt, "sub_group_to_group_id", None)
+    if owner is None:
+      return None
+    for sub, params in enumerate(opt.fp16_groups):
+      groups[owner[sub]].update(names[p] for p in params)
+    return groups
+  lp = getattr(opt, "bit16_groups", None) or getattr(opt, "bf16_groups", None)  # ZeRO-1/2, BF16
+  if lp is None or len(lp) != len(groups):
+    return None
+  return [{names[p] for p in params} for params in lp]
+
+
+def _unshare_zero3_steps(optimizer) -> None:
   base = optimizer.optimizer
-  for group, saved in zip(base.param_groups, groups):
-    group.update((k, v) for k, v in saved.items() if k != "params")
   seen = set()
   for flat in optimizer.fp32_partitioned_groups_flat:
     state = base.state.get(flat, {})
