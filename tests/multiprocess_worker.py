@@ -198,7 +198,33 @@ def failed_saves(workdir: str) -> dict:
   return {"errors": errors}
 
 
+def reshard_live(workdir: str) -> dict:
+  """Moves state() spread over both processes onto restore_target()'s shardings, in memory."""
+  shardings = {
+    k: v.sharding if isinstance(v, jax.ShapeDtypeStruct) else None
+    for k, v in restore_target().items()
+    if k != "host"
+  }
+  live = {k: v for k, v in state().items() if k != "host"}
+  checked = {}
+  for method in ("auto", "device_put"):
+    moved = ucp_jax.reshard(live, shardings, method=method)
+    for key, sharding in shardings.items():
+      if sharding is not None:
+        assert moved[key].sharding == sharding, (method, key, moved[key].sharding)
+    moved["host"] = expected()["host"]
+    checked[method] = check_restored(moved)
+  try:
+    ucp_jax.reshard(live, shardings, method="host")
+  except ValueError as e:
+    refused = str(e)
+  else:
+    refused = ""
+  return {"checked": checked, "host_refused": refused}
+
+
 SCENARIOS = {
+  "reshard_live": reshard_live,
   "save_slow_writer": save_slow_writer,
   "restore_grid": restore_grid,
   "failed_saves": failed_saves,

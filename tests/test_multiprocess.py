@@ -160,6 +160,14 @@ def test_save_1x8_restore_2x4(tmp_path, devices):
   assert [r["checked"] for r in results] == [5 * 4 + 3] * 2
 
 
+def test_reshard_live_state_across_processes(tmp_path):
+  results = run_workers("reshard_live", tmp_path)
+  # On each process: 5 arrays x 4 local shards, and the 3 host leaves, for both methods.
+  assert [r["checked"] for r in results] == [{"auto": 5 * 4 + 3, "device_put": 5 * 4 + 3}] * 2
+  for r in results:
+    assert "other processes" in r["host_refused"], r["host_refused"]
+
+
 def test_failed_save_commits_nothing(tmp_path):
   old = {"w": np.arange(5.0), "step": worker.OLD_STEP}
   ucp_jax.save(tmp_path / "old", old, step=worker.OLD_STEP)

@@ -45,15 +45,41 @@ def reshard(tree: Any, shardings: Any, *, method: str = "auto") -> Any:
   arrays = {k: x for k, x in flat.items() if k not in numbers}
   targets = _target_shardings(arrays, shardings, numbers)
   _check(arrays, targets)
-  if method == "device_put" or (method == "auto" and not _host_copy_pays(arrays)):
-    keys = list(arrays)
-    moved = jax.device_put([arrays[k] for k in keys], [targets[k] for k in keys])
-    return unflatten({**numbers, **dict(zip(keys, moved))})
+  problems = [] if method == "device_put" else _host_copy_problems(arrays, targets)
+  if method == "host" and problems:
+    raise ValueError(
+      "method='host' copies in this process's memory, which cannot move these arrays "
+      "(use method='auto' or 'device_put'):\n" + _errors.bullet_list(problems)
+    )
+  if method == "device_put" or problems:
+    return unflatten({**numbers, **_device_put(arrays, targets)})
   started = {k: _start_host_reshard(x, targets[k]) for k, x in arrays.items()}
   return unflatten({**numbers, **{k: finish() for k, finish in started.items()}})
 
 
 _NUMBERS = (bool, int, float, complex)  # Python numbers: no device, nothing to move
+
+
+def _device_put(arrays: dict[str, jax.Array], targets: dict[str, Any]) -> dict[str, jax.Array]:
+  """jax.device_put of every array; typed PRNG keys travel as their key data.
+
+  (device_put refuses key arrays that span several processes.)
+  """
+  values, shardings, impls = [], [], {}
+  for key, x in arrays.items():
+    target = targets[key]
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) and isinstance(
+      target, jax.sharding.NamedSharding
+    ):
+      impls[key] = jax.random.key_impl(x)
+      x = jax.random.key_data(x)
+      target = jax.sharding.NamedSharding(target.mesh, target.spec, memory_kind=target.memory_kind)
+    values.append(x)
+    shardings.append(target)
+  moved = dict(zip(arrays, jax.device_put(values, shardings)))
+  for key, impl in impls.items():
+    moved[key] = jax.random.wrap_key_data(moved[key], impl=impl)
+  return moved
 
 
 def _target_shardings(
@@ -93,12 +119,18 @@ def _check(flat: dict[str, Any], targets: dict[str, jax.sharding.Sharding]) -> N
     )
 
 
-def _host_copy_pays(flat: dict[str, Any]) -> bool:
-  """Host copies win on CPU, for arrays this process holds entirely."""
-  for x in flat.values():
-    if not x.is_fully_addressable or any(d.platform != "cpu" for d in x.sharding.device_set):
-      return False
-  return True
+def _host_copy_problems(flat: dict[str, Any], targets: dict[str, Any]) -> list[str]:
+  """Why a host copy cannot do the move: it needs CPU arrays held wholly by this process."""
+  problems = []
+  for key, x in flat.items():
+    for what, sharding in (("array", x.sharding), ("target", targets[key])):
+      if not sharding.is_fully_addressable:
+        problems.append(f"{key}: the {what} spans devices of other processes")
+      elif any(d.platform != "cpu" for d in sharding.device_set):
+        problems.append(
+          f"{key}: the {what} is on {sorted({d.platform for d in sharding.device_set})}"
+        )
+  return problems
 
 
 def _start_host_reshard(x: jax.Array, target: jax.sharding.Sharding):
