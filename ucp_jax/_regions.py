@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -47,3 +48,23 @@ def group_by_slice(
     bounds = tuple((s.start, s.stop) for s in normalize(index, shape))
     groups.setdefault(bounds, []).append(device)
   return [(tuple(slice(*b) for b in bounds), devs) for bounds, devs in groups.items()]
+
+
+def sharding_problem(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> str | None:
+  """Why `sharding` cannot lay out an array of `shape`, or None when it can."""
+  spec = getattr(sharding, "spec", None)
+  if spec is not None:
+    where = f"{spec} on mesh {dict(sharding.mesh.shape)}"
+    if len(spec) > len(shape):
+      return f"{where} has {len(spec)} dimensions, the array {len(shape)}"
+    mesh_shape = dict(sharding.mesh.shape)
+    for dim, axes in zip(shape, spec):
+      names = axes if isinstance(axes, tuple) else (axes,)
+      parts = math.prod(mesh_shape[a] for a in names if a is not None)
+      if parts > 1 and dim % parts:
+        return f"{where} splits a dimension of size {dim} into {parts} uneven parts"
+  try:
+    sharding.shard_shape(shape)
+  except (ValueError, TypeError, IndexError) as e:
+    return f"{sharding} cannot shard shape {shape}: {e}"
+  return None

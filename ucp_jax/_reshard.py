@@ -99,14 +99,12 @@ def _target_shardings(
 
 
 def _check(flat: dict[str, Any], targets: dict[str, jax.sharding.Sharding]) -> None:
-  from ucp_jax._restore import _sharding_problem
-
   bad, problems = [], []
   for key, x in flat.items():
     if not isinstance(x, jax.Array):
       bad.append(f"{key}: {type(x).__qualname__} is not a jax.Array")
       continue
-    problem = _sharding_problem(targets[key], tuple(x.shape))
+    problem = _regions.sharding_problem(targets[key], tuple(x.shape))
     if problem:
       problems.append(f"{key}: {problem}")
   if bad:

@@ -172,7 +172,7 @@ def _validate(
     if problem:
       dtypes.append(f"{key}: {problem}{origin}")
     if want.sharding is not None:
-      problem = _sharding_problem(want.sharding, shape)
+      problem = _regions.sharding_problem(want.sharding, shape)
       if problem:
         shardings.append(f"{key}: {problem}")
   for kind, lines, what in (
@@ -205,25 +205,6 @@ def _dtype_problem(want: _Want, info: ArrayInfo, cast: bool) -> str | None:
   if want.dtype is None or want.dtype == np.dtype(info.dtype) or cast:
     return None
   return f"{want.dtype} in target, {info.dtype} in checkpoint"
-
-
-def _sharding_problem(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> str | None:
-  spec = getattr(sharding, "spec", None)
-  if spec is not None:
-    where = f"{spec} on mesh {dict(sharding.mesh.shape)}"
-    if len(spec) > len(shape):
-      return f"{where} has {len(spec)} dimensions, the array {len(shape)}"
-    mesh_shape = dict(sharding.mesh.shape)
-    for dim, axes in zip(shape, spec):
-      names = axes if isinstance(axes, tuple) else (axes,)
-      parts = int(np.prod([mesh_shape[a] for a in names if a is not None]))
-      if parts > 1 and dim % parts:
-        return f"{where} splits a dimension of size {dim} into {parts} uneven parts"
-  try:
-    sharding.shard_shape(shape)
-  except (ValueError, TypeError, IndexError) as e:
-    return f"{sharding} cannot shard shape {shape}: {e}"
-  return None
 
 
 class _Reads:
