@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -121,7 +122,7 @@ def test_corrupted_chunk_is_caught(ckpt):
 def test_missing_or_short_chunk_is_caught(ckpt):
   chunk = next(p for p in (ckpt / "b" / "c" / "c").rglob("*") if p.is_file())
   chunk.unlink()
-  assert ucp_jax.open(ckpt).verify() == {"b/c": "1 of 1 chunks missing"}
+  assert ucp_jax.open(ckpt).verify() == {"b/c": f"1 of 1 chunks missing: {chunk}"}
   with pytest.raises(ucp_jax.CorruptCheckpointError, match=r"b/c/c/0: `b/c`: chunk file missing"):
     ucp_jax.restore(ckpt)
   chunk.write_bytes(b"abc")
@@ -257,3 +258,67 @@ def test_restore_does_not_mutate_target(ckpt):
   }
   ucp_jax.restore(ckpt, target)
   assert (target["a"] == 5).all()
+
+
+def test_staging_directory_is_not_a_checkpoint(ckpt, tmp_path):
+  # A save that died after writing its manifest, before the rename that commits it.
+  staging = tmp_path / ".new.ucp-tmp-0123456789abcdef"
+  ckpt.rename(staging)
+  with pytest.raises(ucp_jax.CheckpointNotFoundError, match=r"staging directory of a save to"):
+    ucp_jax.open(staging)
+  with pytest.raises(ucp_jax.CheckpointNotFoundError, match="has not committed"):
+    ucp_jax.open(tmp_path / "new")
+  old = staging.rename(tmp_path / ".new.ucp-tmp-0123456789abcdef.old")
+  with pytest.raises(
+    ucp_jax.CheckpointNotFoundError, match=re.escape(f"a save to {tmp_path / 'new'}")
+  ):
+    ucp_jax.restore(old)
+
+
+def test_malformed_manifest_entries_name_the_key(ckpt):
+  manifest = ckpt / "manifest.json"
+  good = json.loads(manifest.read_text())
+  for edit, problem in (
+    ({"dtype": "float33"}, "unknown dtype 'float33'"),
+    ({"shape": [-8, 4]}, "are not sizes"),
+    ({"chunks": [8]}, "do not fit shape"),
+    ({"shape": None}, "TypeError"),
+  ):
+    bad = {**good, "arrays": {**good["arrays"], "a": {**good["arrays"]["a"], **edit}}}
+    manifest.write_text(json.dumps(bad))
+    with pytest.raises(ucp_jax.ManifestError, match=f"malformed manifest entry `a`: .*{problem}"):
+      ucp_jax.open(ckpt)
+
+
+def test_missing_array_metadata_is_named_without_tensorstore_spec(ckpt):
+  (ckpt / "a" / "zarr.json").unlink()
+  with pytest.raises(ucp_jax.CorruptCheckpointError, match=r"`a`: cannot open stored array") as e:
+    ucp_jax.open(ckpt).read("a")
+  assert "tensorstore_spec" not in str(e.value) and len(str(e.value).splitlines()) == 1
+  problems = ucp_jax.open(ckpt).verify()
+  assert list(problems) == ["a"] and "zarr.json" in problems["a"]
+  assert "tensorstore_spec" not in problems["a"]
+
+
+def test_paths_that_cannot_hold_a_checkpoint(tmp_path):
+  (tmp_path / "f").write_text("x")
+  with pytest.raises(ucp_jax.CheckpointNotFoundError, match="a file, not a checkpoint directory"):
+    ucp_jax.open(tmp_path / "f")
+  with pytest.raises(ucp_jax.CheckpointExistsError, match=r"f is a file, not a directory"):
+    ucp_jax.save(tmp_path / "f" / "sub" / "c", {"a": np.ones(1)})
+  assert sorted(os.listdir(tmp_path)) == ["f"]
+  with pytest.raises(ValueError, match="names no bucket"):
+    ucp_jax.open("gs://")
+  with pytest.raises(ucp_jax.CheckpointNotFoundError, match="lives only in the process"):
+    ucp_jax.open("memory://ucp_test_never_saved")
+  ucp_jax.save("memory://", {"a": np.ones(2)}, overwrite=True)  # the root of the memory store
+  assert str(ucp_jax.open("memory://").location) == "memory://"
+
+
+def test_universal_folder_of_a_model_parallel_run_is_refused(tmp_path):
+  # Its zero/ files hold merged tensors while each rank's model states list only that
+  # rank's (or pipeline stage's) parameters: reading rank 0's would drop the others.
+  src = os.path.join(os.path.dirname(__file__), "fixtures", "tp", "pp2", "universal")
+  with pytest.raises(ucp_jax.SourceFormatError, match=r"model-parallel .*mp_rank_01"):
+    ucp_jax.convert(src, tmp_path / "out")
+  assert not os.listdir(tmp_path)

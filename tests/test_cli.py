@@ -1,8 +1,10 @@
 """The `ucp` command line, run as a user runs it."""
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -75,4 +77,89 @@ def test_demo_small(tmp_path, capsys):
   assert _cli.main(["demo", "--out", str(tmp_path / "demo"), "--steps", "2"]) == 0
   out = capsys.readouterr().out
   assert "bit-identical to the saved state: True" in out and "PASS" in out
+  rows = [line.split()[0] for line in out.splitlines() if re.match(r" +\d+ +\d", line)]
+  assert rows == ["0", "1", "2", "3", "4", "5"], out  # the last step once
   assert ucp_jax.open(tmp_path / "demo" / "ckpt_leg2").step == 4
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def test_failed_commands_print_one_line_and_commit_nothing(tmp_path, capsys):
+  src = str(FIXTURES / "deepspeed" / "z2_fp32_dp2" / "ckpt")
+  (tmp_path / "f").write_text("x")
+  cases = [
+    (["convert", src, str(tmp_path / "f" / "out")], "f is a file, not a directory"),
+    (["convert", src, "memory://x"], "would vanish when ucp exits"),
+    (["convert", str(FIXTURES / "tp" / "pp2" / "universal"), str(tmp_path / "u")], "TP/PP"),
+    (["inspect", src], "`ucp convert"),
+    (["verify", str(tmp_path / "f")], "a file, not a checkpoint directory"),
+  ]
+  for argv, message in cases:
+    assert _cli.main(argv) == 2, argv
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
+
+
+def test_convert_onto_a_checkpoint_names_the_flag(tmp_path, capsys):
+  src, dst = str(FIXTURES / "deepspeed" / "z2_fp32_dp2" / "ckpt"), str(tmp_path / "out")
+  assert _cli.main(["convert", src, dst]) == 0
+  assert capsys.readouterr().err == ""  # no progress noise where stderr is not a terminal
+  assert _cli.main(["convert", src, dst]) == 2
+  err = capsys.readouterr().err
+  assert "pass --overwrite" in err and "overwrite=True" not in err
+
+
+def test_os_errors_and_interrupts_are_one_line(tmp_path, capsys, monkeypatch):
+  from ucp_jax import _convert
+
+  def fail(*args, **kwargs):
+    raise PermissionError(13, "Permission denied", "/data/out")
+
+  monkeypatch.setattr(_convert, "convert", fail)
+  assert _cli.main(["convert", str(tmp_path), str(tmp_path / "out")]) == 2
+  assert capsys.readouterr().err == "error: /data/out: Permission denied\n"
+
+  def interrupt(*args, **kwargs):
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(_convert, "convert", interrupt)
+  assert _cli.main(["convert", str(tmp_path), str(tmp_path / "out")]) == 130
+  assert capsys.readouterr().err == "interrupted\n"
+
+
+def test_progress_lines_where_stderr_is_not_a_terminal(ckpt, capsys, monkeypatch):
+  monkeypatch.setattr(_cli.Reporter, "interval", 0.0)
+  assert _cli.main(["verify", str(ckpt)]) == 0
+  lines = capsys.readouterr().err.splitlines()
+  assert lines[-1] == "verify: 168 B of 168 B (100%), at step", lines
+  assert all(line.startswith("verify: ") for line in lines)
+
+
+def test_staging_directory_is_refused(ckpt, tmp_path, capsys):
+  staging = ckpt.rename(tmp_path / ".ckpt.ucp-tmp-00000000000000ff")
+  assert _cli.main(["inspect", str(staging)]) == 2
+  assert "staging directory of a save to" in capsys.readouterr().err
+
+
+def test_demo_arguments_checked_first(tmp_path, capsys):
+  with pytest.raises(SystemExit) as e:
+    _cli.main(["demo", "--steps", "0"])
+  assert e.value.code == 2 and "not a positive integer" in capsys.readouterr().err
+  (tmp_path / "f").write_text("x")
+  assert _cli.main(["demo", "--out", str(tmp_path / "f"), "--steps", "1"]) == 2
+  assert "a file is in the way" in capsys.readouterr().err
+
+
+def test_export_says_when_rules_are_not_used(tmp_path, capsys):
+  pytest.importorskip("torch")
+  src = str(FIXTURES / "deepspeed" / "z2_fp32_dp2" / "ckpt")
+  assert _cli.main(["convert", src, str(tmp_path / "ckpt")]) == 0
+  argv = ["export", str(tmp_path / "ckpt"), str(tmp_path / "ds"), "--rules", "gpt2:num_heads=4"]
+  assert _cli.main(argv) == 0
+  out = capsys.readouterr().out
+  assert "note: rules were not used: the checkpoint's parameters already have torch names" in out
+  assert _cli.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "ds")]) == 2
+  assert "pass --overwrite to replace it" in capsys.readouterr().err

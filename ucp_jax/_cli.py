@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -30,22 +31,84 @@ def _human(nbytes: int) -> str:
   return ""
 
 
-def progress_bar(console: Console) -> Progress:
-  """The progress bar every long CLI operation shows (on stderr)."""
-  return Progress(
-    TextColumn("[bold]{task.description}"),
-    BarColumn(),
-    DownloadColumn(),
-    TimeRemainingColumn(),
-    TextColumn("{task.fields[item]}"),
-    console=console,
-    transient=True,
-  )
+class Reporter:
+  """Progress of one long operation on stderr: a live bar on a terminal, else a line now and then.
+
+  `update(item, nbytes, total)` after each item. Where stderr is not a terminal (a log file, a
+  batch job), a plain line is printed at most every `interval` seconds, so short operations
+  print nothing and long ones show they are alive.
+  """
+
+  interval = 10.0
+
+  def __init__(self, console: Console, description: str, total: int | None = None):
+    self._console = console
+    self._description = description
+    self._total = total
+    self._done = 0
+    self._bar = None
+    self._last = time.monotonic()
+    if console.is_terminal:
+      self._bar = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[item]}"),
+        console=console,
+        transient=True,
+      )
+      self._task = self._bar.add_task(description, total=total, item="")
+
+  def __enter__(self) -> Reporter:
+    if self._bar is not None:
+      self._bar.start()
+    return self
+
+  def __exit__(self, *exc) -> None:
+    if self._bar is not None:
+      self._bar.stop()
+
+  def update(self, item: str, nbytes: int, total: int | None = None) -> None:
+    self._done += nbytes
+    self._total = total if total is not None else self._total
+    if self._bar is not None:
+      self._bar.update(self._task, total=self._total, advance=nbytes, item=item)
+      return
+    now = time.monotonic()
+    if now - self._last >= self.interval and nbytes:
+      self._last = now
+      of = (
+        f" of {_human(self._total)} ({100 * self._done / self._total:.0f}%)" if self._total else ""
+      )
+      self._console.print(
+        f"{self._description}: {_human(self._done)}{of}, at {item}", markup=False, highlight=False
+      )
+
+
+def _open(path: str) -> _reader.Checkpoint:
+  """Opens a checkpoint; for a DeepSpeed folder, says to convert it first."""
+  try:
+    return _reader.open(path)
+  except _errors.CheckpointNotFoundError as e:
+    if "://" not in path and os.path.isdir(path):
+      from ucp_jax import _convert
+
+      try:
+        kind, _ = _convert.detect(path)
+      except (_errors.UcpError, OSError):
+        raise e from None
+      label = "DeepSpeed universal" if kind == "deepspeed_universal" else "DeepSpeed"
+      raise _errors.CheckpointNotFoundError(
+        f"{e}; it holds a {label} checkpoint: `ucp convert {path} DST` makes a ucp_jax "
+        "checkpoint of it"
+      ) from None
+    raise
 
 
 @_command
 def cmd_inspect(args, out: Console, err: Console) -> int:
-  ckpt = _reader.open(args.checkpoint)
+  ckpt = _open(args.checkpoint)
   m = ckpt.manifest
   if args.json:
     data = {
@@ -78,11 +141,10 @@ def cmd_inspect(args, out: Console, err: Console) -> int:
 
 @_command
 def cmd_verify(args, out: Console, err: Console) -> int:
-  ckpt = _reader.open(args.checkpoint)
+  ckpt = _open(args.checkpoint)
   start = time.perf_counter()
-  with progress_bar(err) as bar:
-    task = bar.add_task("verify", total=ckpt.nbytes, item="")
-    problems = ckpt.verify(lambda key, n: bar.update(task, advance=n, item=key))
+  with Reporter(err, "verify", ckpt.nbytes) as progress:
+    problems = ckpt.verify(progress.update)
   seconds = time.perf_counter() - start
   if problems:
     out.print(f"[red]{escape(str(ckpt.location))}: {len(problems)} bad array(s):")
@@ -100,13 +162,11 @@ def cmd_verify(args, out: Console, err: Console) -> int:
 def cmd_convert(args, out: Console, err: Console) -> int:
   from ucp_jax import _convert
 
-  with progress_bar(err) as bar:
-    task = bar.add_task("convert", total=None, item="")
-
-    def on_array(key: str, nbytes: int, total: int) -> None:
-      bar.update(task, total=total, advance=nbytes, item=key)
-
-    report = _convert.convert(args.src, args.dst, overwrite=args.overwrite, progress=on_array)
+  _outlives_process(args.dst)
+  with Reporter(err, "convert") as progress:
+    report = _convert.convert(
+      args.src, args.dst, overwrite=args.overwrite, progress=progress.update
+    )
   out.print(
     f"{report.dst}: {report.params} params, {report.arrays} arrays, {_human(report.bytes)}, "
     f"step {report.step}, in {report.seconds:.2f} s (from {report.format} {report.src})",
@@ -119,12 +179,8 @@ def cmd_convert(args, out: Console, err: Console) -> int:
 def cmd_export(args, out: Console, err: Console) -> int:
   from ucp_jax import _export
 
-  with progress_bar(err) as bar:
-    task = bar.add_task("export", total=None, item="")
-
-    def on_item(item: str, nbytes: int, total: int) -> None:
-      bar.update(task, total=total, advance=nbytes, item=item)
-
+  rules = _rule_set(args.rules)
+  with Reporter(err, "export") as progress:
     report = _export.export(
       args.checkpoint,
       args.dst,
@@ -132,8 +188,8 @@ def cmd_export(args, out: Console, err: Console) -> int:
       zero_stage=args.zero_stage,
       tag=args.tag,
       overwrite=args.overwrite,
-      rules=_rule_set(args.rules),
-      progress=on_item,
+      rules=rules,
+      progress=progress.update,
     )
   stages = "/".join(str(s) for s in report.zero_stages)
   out.print(
@@ -146,6 +202,15 @@ def cmd_export(args, out: Console, err: Console) -> int:
   for note in report.notes:
     out.print(f"  note: {note}", markup=False)
   return 0
+
+
+def _outlives_process(dst: str) -> None:
+  """A destination that outlives this process: not `memory://`."""
+  if dst.startswith("memory://"):
+    raise _errors.UcpError(
+      f"{dst}: a memory:// checkpoint would vanish when ucp exits; write to a directory or to "
+      "a gs:// or s3:// URL"
+    )
 
 
 def _rule_set(spec: str | None):
@@ -181,8 +246,23 @@ def cmd_demo(args, out: Console, err: Console) -> int:
   return 0 if ok else 1
 
 
+def _positive(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    value = 0
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+  return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="ucp", description="Universal checkpoints for JAX.")
+  parser = argparse.ArgumentParser(
+    prog="ucp",
+    description="Universal checkpoints for JAX.",
+    epilog="exit status: 0 done; 1 verify found bad arrays (or the demo's runs diverged); "
+    "2 bad input or a failed command; 130 interrupted",
+  )
   sub = parser.add_subparsers(dest="command", required=True)
   p = sub.add_parser("inspect", help="list a checkpoint's arrays (key, shape, dtype, bytes)")
   p.add_argument("checkpoint")
@@ -209,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
   )
   p = sub.add_parser("demo", help="train, save, restore onto other meshes, compare with no restart")
   p.add_argument("--out", default="demo_out", help="where the checkpoints go (default: demo_out)")
-  p.add_argument("--steps", type=int, default=20, help="training steps per leg (default: 20)")
+  p.add_argument("--steps", type=_positive, default=20, help="training steps per leg (default: 20)")
   return parser
 
 
@@ -219,9 +299,23 @@ def main(argv: list[str] | None = None) -> int:
   err = Console(stderr=True, highlight=False, soft_wrap=True)
   try:
     return _COMMANDS[args.command](args, out, err)
-  except (_errors.UcpError, ValueError) as e:  # bad input: one line, no traceback
-    err.print("[red]error:[/red]", escape(str(e)), highlight=False)
+  except (_errors.UcpError, ValueError, OSError) as e:  # bad input: one message, no traceback
+    err.print("[red]error:[/red]", escape(_message(e)), highlight=False)
     return 2
+  except KeyboardInterrupt:
+    err.print("[red]interrupted[/red]", highlight=False)
+    return 130
+
+
+def _message(error: BaseException) -> str:
+  """What went wrong, in the CLI's words (`--overwrite`, not `overwrite=True`)."""
+  if isinstance(error, OSError) and not isinstance(error, _errors.UcpError) and error.strerror:
+    paths = [p for p in (error.filename, error.filename2) if p is not None]
+    return f"{' -> '.join(map(str, paths)) or 'I/O'}: {error.strerror}"
+  text = str(error) or type(error).__name__
+  return text.replace("pass overwrite=True (--overwrite)", "pass --overwrite").replace(
+    "pass overwrite=True", "pass --overwrite"
+  )
 
 
 if __name__ == "__main__":

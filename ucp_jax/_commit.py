@@ -38,6 +38,9 @@ def check_writable(target: _store.Location, overwrite: bool) -> None:
     path = target.local_dir
     if os.path.isfile(path):
       raise _errors.CheckpointExistsError(f"{path}: a file is in the way of the checkpoint")
+    blocker = file_above(path)
+    if blocker is not None:
+      raise _errors.CheckpointExistsError(f"{path}: {blocker} is a file, not a directory")
     if not os.path.isdir(path) or not os.listdir(path):
       return
     is_checkpoint = os.path.exists(os.path.join(path, _manifest.MANIFEST_KEY))
@@ -55,6 +58,14 @@ def check_writable(target: _store.Location, overwrite: bool) -> None:
     raise _errors.CheckpointExistsError(
       f"{target}: a checkpoint exists already; pass overwrite=True to replace it"
     )
+
+
+def file_above(path: str) -> str | None:
+  """The nearest existing ancestor of `path` when it is not a directory (nothing fits below it)."""
+  parent = os.path.dirname(path)
+  while parent and not os.path.lexists(parent) and parent != os.path.dirname(parent):
+    parent = os.path.dirname(parent)
+  return parent if parent and os.path.lexists(parent) and not os.path.isdir(parent) else None
 
 
 class Lock:

@@ -66,6 +66,9 @@ def check_destination(dst: str | os.PathLike, *, overwrite: bool, tag: str | Non
   path = os.path.abspath(path)
   if os.path.isfile(path) or os.path.islink(path):
     raise _errors.CheckpointExistsError(f"{path}: a file is in the way of the export")
+  blocker = _commit.file_above(path)
+  if blocker is not None:
+    raise _errors.CheckpointExistsError(f"{path}: {blocker} is a file, not a directory")
   if os.path.isdir(path) and os.listdir(path):
     if not os.path.isfile(os.path.join(path, LATEST)):
       raise _errors.CheckpointExistsError(

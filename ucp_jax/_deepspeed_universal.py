@@ -32,6 +32,14 @@ def is_universal(folder: str) -> bool:
 
 def plan(folder: str) -> Plan:
   """Reads the metadata of a DeepSpeed universal folder; see the module docstring."""
+  others = _other_model_ranks(folder)
+  if others:  # its zero/ files are merged; param_shapes are per rank, and per stage
+    shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+    raise SourceFormatError(
+      f"{folder}: a universal checkpoint of a model-parallel (TP/PP) run ({shown}); convert "
+      "reads the universal form of single-rank runs only. Convert the DeepSpeed checkpoint "
+      "that ds_to_universal read (its tag folder) instead: convert merges the ranks itself"
+    )
   opt_path = os.path.join(folder, "zero", "optimizer_state.pt")
   opt = common.load(opt_path)
   problems = common.missing_keys(opt, ("param_groups",), opt_path)
@@ -109,6 +117,16 @@ def plan(folder: str) -> Plan:
     step=common.number(model["global_steps"]),
     path=folder,
   )
+
+
+def _other_model_ranks(folder: str) -> list[str]:
+  """Model-states files of model-parallel ranks other than 0."""
+  found = []
+  for name in sorted(os.listdir(folder)):
+    m = common.MODEL_RE.match(name) or common.ZERO3_MODEL_RE.match(name)
+    if m and int(m.groups()[-1]) > 0:
+      found.append(name)
+  return found
 
 
 def _model_paths(folder: str, zero3: bool) -> list[str]:

@@ -38,6 +38,11 @@ def run(out_dir: str = "demo_out", steps: int = STEPS, log=print) -> dict:
 
   import ucp_jax
 
+  if steps < 1:
+    raise ValueError(f"steps={steps}: the demo needs at least 1 step per leg")
+  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    raise ValueError(f"{out_dir}: a file is in the way of the demo's checkpoint folder")
+  os.makedirs(out_dir, exist_ok=True)  # before training: a bad path fails at once
   if len(jax.devices()) < 8:
     raise RuntimeError(
       f"the demo needs 8 devices, found {len(jax.devices())}: run it in a fresh process "
@@ -126,7 +131,6 @@ def run(out_dir: str = "demo_out", steps: int = STEPS, log=print) -> dict:
     f"reference: {3 * steps} uninterrupted steps on mesh (8,) data-parallel, final loss {reference[-1]:.6f}"
   )
 
-  os.makedirs(out_dir, exist_ok=True)
   first, second = os.path.join(out_dir, "ckpt_leg1"), os.path.join(out_dir, "ckpt_leg2")
   model, optimizer = fresh(dp_mesh)
   legs = run_steps(model, optimizer, dp_mesh, 0, steps, P("data"))
@@ -167,7 +171,7 @@ def run(out_dir: str = "demo_out", steps: int = STEPS, log=print) -> dict:
   rel = float(np.max(np.abs(ref - got) / np.maximum(np.abs(ref), 1e-12)))
   log("")
   log(" step   uninterrupted   save/restore/reshard")
-  for i in [*range(0, 3 * steps, max(1, steps // 2)), 3 * steps - 1]:
+  for i in sorted({*range(0, 3 * steps, max(1, steps // 2)), 3 * steps - 1}):
     marker = "  <- restored" if i in (steps, 2 * steps) else ""
     log(f" {i:4d}   {ref[i]:.8f}      {got[i]:.8f}{marker}")
   log(

@@ -107,6 +107,10 @@ def export(
 
     opened = _export_flax.torch_named(opened, rules)
   resolved = _export_schema.plan(opened)
-  return _deepspeed_export.write(
+  report = _deepspeed_export.write(
     opened, resolved, target, zero_stage=zero_stage, tag=tag, progress=progress
   )
+  if rules is not None and naming == "torch":
+    note = "rules were not used: the checkpoint's parameters already have torch names"
+    report = dataclasses.replace(report, notes=(*report.notes, note))
+  return report

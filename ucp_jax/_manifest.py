@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import os
+import re
 from typing import Any
 
 from ucp_jax import _errors, _store
@@ -12,6 +14,7 @@ from ucp_jax import _errors, _store
 FORMAT = "ucp_jax"
 FORMAT_VERSION = 1
 MANIFEST_KEY = "manifest.json"
+_STAGING_RE = re.compile(r"^\.(.+)\.ucp-tmp-[0-9a-f]{16}(\.old)?$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,8 +125,10 @@ class Manifest:
         f"{where}: format version {version!r}; this ucp_jax reads version {FORMAT_VERSION}. "
         "Upgrade ucp_jax to read it."
       )
+    if not isinstance(data.get("arrays"), dict):
+      raise _errors.ManifestError(f'{where}: malformed manifest: no "arrays" object')
+    arrays = {k: _array_info(k, v, where) for k, v in data["arrays"].items()}
     try:
-      arrays = {k: ArrayInfo.from_json(v) for k, v in data["arrays"].items()}
       return cls(
         arrays=arrays,
         tree=data.get("tree"),
@@ -137,13 +142,44 @@ class Manifest:
       raise _errors.ManifestError(f"{where}: malformed manifest entry: {e!r}") from e
 
 
+def _array_info(key: str, data: Any, where: str) -> ArrayInfo:
+  """One `arrays` entry, checked enough that reading its size or dtype cannot fail later."""
+  try:
+    info = ArrayInfo.from_json(data)
+  except (KeyError, TypeError, AttributeError, ValueError) as e:
+    raise _errors.ManifestError(f"{where}: malformed manifest entry `{key}`: {e!r}") from e
+  problem = None
+  dims = (*info.shape, *info.chunks)
+  if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
+    problem = f"shape {list(info.shape)} / chunks {list(info.chunks)} are not sizes"
+  elif len(info.chunks) != len(info.shape) or not all(info.chunks):
+    problem = f"chunks {list(info.chunks)} do not fit shape {list(info.shape)}"
+  else:
+    try:
+      _itemsize(info.dtype)
+    except TypeError:
+      problem = f"unknown dtype {info.dtype!r}"
+  if problem:
+    raise _errors.ManifestError(f"{where}: malformed manifest entry `{key}`: {problem}")
+  return info
+
+
 def read(location: _store.Location) -> Manifest:
   """Reads the manifest of a committed checkpoint, or says why there is none."""
   where = str(location)
+  staging = location.local_dir and _STAGING_RE.match(os.path.basename(location.local_dir))
+  if staging:  # it may hold a manifest: written just before the rename that commits
+    target = os.path.join(os.path.dirname(location.local_dir), staging.group(1))
+    raise _errors.CheckpointNotFoundError(
+      f"{where}: not a checkpoint but the staging directory of a save to {target} "
+      "(still running, or it died before committing; the next save there removes it)"
+    )
   try:
     result = _store.kvstore(location).read(MANIFEST_KEY).result()
   except ValueError as e:  # a kvstore that cannot even be opened or listed
-    raise _errors.CheckpointNotFoundError(f"{where}: cannot open checkpoint: {e}") from e
+    raise _errors.CheckpointNotFoundError(
+      f"{where}: cannot open checkpoint: {_store.error_text(e)}"
+    ) from e
   if result.state != "value":
     raise _errors.CheckpointNotFoundError(_why_missing(location))
   return Manifest.from_bytes(result.value, f"{where}/{MANIFEST_KEY}")
@@ -151,13 +187,30 @@ def read(location: _store.Location) -> Manifest:
 
 def _why_missing(location: _store.Location) -> str:
   import glob
-  import os
 
   where = str(location)
+  unfinished = (
+    f"{where}: no committed checkpoint (a save to this path started and has not committed: "
+    "still running, or it died)"
+  )
   if location.local_dir is not None:
     parent, name = os.path.split(location.local_dir)
     if glob.glob(os.path.join(parent, f".{name}.ucp-tmp-*")):
-      return f"{where}: no committed checkpoint (a save to this path started and did not finish)"
+      return unfinished
     if not os.path.exists(location.local_dir):
       return f"{where}: no checkpoint here (the path does not exist)"
+    if not os.path.isdir(location.local_dir):
+      return f"{where}: a file, not a checkpoint directory"
+  else:
+    try:
+      lock = _store.kvstore(location).read(".ucp-lock").result().state == "value"  # _commit's
+    except ValueError:
+      lock = False
+    if lock:
+      return unfinished
+    if location.url.startswith("memory://"):
+      return (
+        f"{where}: no committed checkpoint ({MANIFEST_KEY} is missing; a memory:// checkpoint "
+        "lives only in the process that saved it)"
+      )
   return f"{where}: no committed checkpoint ({MANIFEST_KEY} is missing)"

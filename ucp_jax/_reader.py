@@ -59,7 +59,7 @@ class Checkpoint:
     """The stored array as a TensorStore handle (lazy; index it, then `.read()`)."""
     self[key]
     if key not in self._stores:
-      self._stores[key] = self.open_future(key).result()
+      self._stores[key] = wait_open(self.location, key, self.open_future(key))
     return self._stores[key]
 
   def open_future(self, key: str) -> ts.Future:
@@ -104,7 +104,17 @@ def wait_read(location: _store.Location, key: str, future: ts.Future) -> np.ndar
     return future.result()
   except ValueError as e:
     raise _errors.CorruptCheckpointError(
-      f"{location}: `{key}`: cannot read stored data: {e}"
+      f"{location}: `{key}`: cannot read stored data: {_store.error_text(e)}"
+    ) from e
+
+
+def wait_open(location: _store.Location, key: str, future: ts.Future) -> ts.TensorStore:
+  """The result of opening a stored array, with storage errors named by checkpoint and key."""
+  try:
+    return future.result()
+  except ValueError as e:
+    raise _errors.CorruptCheckpointError(
+      f"{location}: `{key}`: cannot open stored array: {_store.error_text(e)}"
     ) from e
 
 

@@ -218,7 +218,8 @@ class _Reads:
   def run(self, wants: dict[str, _Want]) -> dict[str, Any]:
     ts_keys = [k for k in wants if self._direct_dir(k) is None]
     futures = {k: self._ckpt.open_future(k) for k in ts_keys}
-    self._stores = {k: f.result() for k, f in futures.items()}
+    location = self._ckpt.location
+    self._stores = {k: _reader.wait_open(location, k, f) for k, f in futures.items()}
     pieces: dict[str, dict] = {k: {} for k in wants}
     window: deque = deque()
     held = 0

@@ -13,6 +13,7 @@ import functools
 import json
 import math
 import os
+import re
 from collections.abc import Sequence
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with numpy)
@@ -57,7 +58,9 @@ class Location:
     return {**base, "path": base.get("path", "") + (key.strip("/") + "/" if key else "")}
 
   def __str__(self) -> str:
-    return self.local_dir if self.local_dir is not None else self.url.rstrip("/")
+    if self.local_dir is not None:
+      return self.local_dir
+    return self.url if self.url.endswith("://") else self.url.rstrip("/")
 
 
 @functools.lru_cache(maxsize=64)
@@ -79,11 +82,20 @@ def resolve(path: str | os.PathLike | Location) -> Location:
   elif text.startswith(_URL_SCHEMES):
     if text.startswith("gcs://"):
       text = "gs://" + text[len("gcs://") :]
-    return Location(text.rstrip("/") + "/")
+    scheme, _, rest = text.partition("://")
+    if not rest.strip("/") and scheme != "memory":
+      raise ValueError(f"{text}: the URL names no bucket or path")
+    return Location(f"{scheme}://{rest.rstrip('/')}/" if rest.strip("/") else "memory://")
   elif "://" in text:
     raise ValueError(f"{text}: unsupported URL scheme; use a local path or one of {_URL_SCHEMES}")
   local = os.path.abspath(os.path.expanduser(text))
   return Location("file://" + local.rstrip("/") + "/", local)
+
+
+def error_text(error: BaseException) -> str:
+  """A TensorStore error as one readable line: the spec and source locations it appends cut."""
+  text = str(error).splitlines()[0] if str(error) else type(error).__name__
+  return re.sub(r" \[(tensorstore_spec|source locations)=.*$", "", text)
 
 
 def kvstore(location: Location) -> ts.KvStore:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 
@@ -28,7 +29,8 @@ def verify(
     try:
       problem = _check_array(ckpt, kvstore, key)
     except Exception as e:  # report every bad key, not just the first
-      problem = str(e).split(": cannot read stored data: ")[-1].splitlines()[0]
+      problem = _store.error_text(e).removeprefix(f"{ckpt.location}: `{key}`: ")
+      problem = problem.removeprefix("cannot read stored data: ")
     if problem:
       problems[key] = problem
     if on_array is not None:
@@ -49,11 +51,12 @@ def _check_array(ckpt: _reader.Checkpoint, kvstore, key: str) -> str | None:
     math.prod(-(-d // c) for d, c in zip(info.shape, chunks)) if math.prod(info.shape) else 0
   )
   if info.shape:
-    found = len(kvstore.list(_prefix_range(f"{key}/c")).result())
+    listed = kvstore.list(_prefix_range(f"{key}/c")).result()
+    found = {k.decode().removeprefix(f"{key}/") for k in listed}
   else:  # the one chunk of a 0-d array is the key `c` itself
-    found = int(kvstore.read(f"{key}/c").result().state == "value")
-  if found < expected:
-    return f"{expected - found} of {expected} chunks missing"
+    found = {"c"} if kvstore.read(f"{key}/c").result().state == "value" else set()
+  if len(found) < expected:
+    return f"{expected - len(found)} of {expected} chunks missing: {_missing(ckpt, key, found)}"
   step = max(1, _BLOCK_BYTES // max(1, math.prod(info.shape[1:]) * np.dtype(info.dtype).itemsize))
   if info.shape:
     step = max(chunks[0], step - step % chunks[0])
@@ -69,6 +72,16 @@ def _check_array(ckpt: _reader.Checkpoint, kvstore, key: str) -> str | None:
   for f in pending:
     _reader.wait_read(ckpt.location, key, f)
   return None
+
+
+def _missing(ckpt: _reader.Checkpoint, key: str, found: set[str], limit: int = 3) -> str:
+  """The first few missing chunk files, by path (`found`: the chunk keys present)."""
+  info = ckpt[key]
+  grid = [range(-(-d // c)) for d, c in zip(info.shape, info.chunks)]
+  names = ("/".join(["c", *map(str, index)]) for index in itertools.product(*grid))
+  missing = list(itertools.islice((n for n in names if n not in found), limit + 1))
+  shown = [f"{ckpt.location}/{key}/{name}" for name in missing[:limit]]
+  return ", ".join(shown) + (", ..." if len(missing) > limit else "")
 
 
 def _prefix_range(prefix: str):
