@@ -129,7 +129,9 @@ class Writer:
     held = 0
     for entry, index, data in _owned_shards(entries, self._primary):
       nbytes = (
-        int(np.prod([s.stop - s.start for s in index], dtype=np.int64))
+        0  # a CPU device's buffer is written in place: no host copy to bound
+        if _is_jax_array(data) and next(iter(data.devices())).platform == "cpu"
+        else int(np.prod([s.stop - s.start for s in index], dtype=np.int64))
         * np.dtype(entry.info.dtype).itemsize
       )
       while pending and held + nbytes > max_host_bytes:
@@ -150,7 +152,9 @@ class Writer:
       futures = _direct.write_region(
         os.path.join(self.staging.local_dir, key), host, index, info.chunks, info.shape
       )
-      self._inflight = [f for f in self._inflight if not f.done()] + futures
+      self._inflight += futures
+      if len(self._inflight) > 4096:  # keep the list short without scanning it per shard
+        self._inflight = [f for f in self._inflight if not f.done()]
       return _AllOf(futures)
     return (
       self._stores[key][index].write(host, can_reference_source_data_indefinitely=immutable).commit
