@@ -388,3 +388,29 @@ def test_local_zstd_round_trip_and_both_read_paths_agree(tmp_path, monkeypatch):
   for f in (tmp_path / "raw").rglob("*"):
     if f.is_file() and "c" in f.relative_to(tmp_path / "raw").parts[1:2]:
       assert f.read_bytes() == (tmp_path / "ts" / f.relative_to(tmp_path / "raw")).read_bytes()
+
+
+def test_save_bounds_host_bytes_in_flight(tmp_path, monkeypatch):
+  from ucp_jax import _writer
+
+  inflight, peak = [0], [0]
+  original = _writer.Writer._write
+
+  def tracked(self, key, host, index, immutable):
+    done = original(self, key, host, index, immutable)
+    inflight[0] += host.nbytes
+    peak[0] = max(peak[0], inflight[0])
+
+    class Waited:
+      def result(self):
+        done.result()
+        inflight[0] -= host.nbytes
+
+    return Waited()
+
+  monkeypatch.setattr(_writer.Writer, "_write", tracked)
+  tree = {f"a{i}": np.full((256, 256), i, np.float32) for i in range(8)}  # 256 KiB each
+  ucp_jax.save(tmp_path / "c", tree, max_host_bytes=600 << 10)
+  assert 256 << 10 < peak[0] <= 600 << 10  # two leaves at a time, never three
+  restored = ucp_jax.restore(tmp_path / "c")
+  assert all((restored[k] == v).all() for k, v in tree.items())
