@@ -132,6 +132,24 @@ def test_missing_or_short_chunk_is_caught(ckpt):
     ucp_jax.restore(ckpt)
 
 
+def test_bad_chunk_read_into_several_slices_is_caught(ckpt):
+  # One (8, 4) chunk feeds 8 devices' rows: it is mapped once and copied out to each.
+  target = {"a": NamedSharding(jax.make_mesh((8,), ("x",)), P("x"))}
+  restored = ucp_jax.restore(ckpt, target, partial=True)
+  np.testing.assert_array_equal(np.asarray(restored["a"]), np.ones((8, 4), np.float32))
+  chunk = ckpt / "a" / "c" / "0" / "0"
+  raw = chunk.read_bytes()
+  chunk.write_bytes(raw[:-5] + bytes([raw[-5] ^ 1]) + raw[-4:])  # last data byte
+  with pytest.raises(ucp_jax.CorruptCheckpointError, match=r"a/c/0/0: `a`: checksum mismatch"):
+    ucp_jax.restore(ckpt, target, partial=True)
+  chunk.write_bytes(raw[:-1])
+  with pytest.raises(ucp_jax.CorruptCheckpointError, match=r"holds 131 bytes, expected 132"):
+    ucp_jax.restore(ckpt, target, partial=True)
+  chunk.unlink()
+  with pytest.raises(ucp_jax.CorruptCheckpointError, match=r"a/c/0/0: `a`: chunk file missing"):
+    ucp_jax.restore(ckpt, target, partial=True)
+
+
 def test_truncated_foreign_and_future_manifests(ckpt):
   manifest = ckpt / "manifest.json"
   good = manifest.read_bytes()

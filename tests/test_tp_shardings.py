@@ -26,18 +26,23 @@ class _Reads:
   def __init__(self, monkeypatch):
     self.regions: dict[str, list] = {}
     self.files: list[str] = []
-    start, read_into = _direct.start_read, _direct._read_into
+    start, read_into, mapped = _direct.start_read, _direct._read_into, _direct._mapped
 
     def start_read(array_dir, key, regions, *args):
       self.regions.setdefault(key, []).extend(regions)
       return start(array_dir, key, regions, *args)
 
-    def counted(path, key, out):
+    def counted(path, key, out):  # a chunk read straight into one slice
       self.files.append(path)
       return read_into(path, key, out)
 
+    def counted_mapped(path, key, nbytes):  # a chunk mapped and copied into several
+      self.files.append(path)
+      return mapped(path, key, nbytes)
+
     monkeypatch.setattr(_direct, "start_read", start_read)
     monkeypatch.setattr(_direct, "_read_into", counted)
+    monkeypatch.setattr(_direct, "_mapped", counted_mapped)
 
 
 def _leaves(tree):
