@@ -100,21 +100,20 @@ def read_region(location: _store.Location, key: str, view: ts.TensorStore) -> np
 
 def wait_read(location: _store.Location, key: str, future: ts.Future) -> np.ndarray:
   """The result of a read, with storage errors named by checkpoint and key."""
-  try:
-    return future.result()
-  except ValueError as e:
-    raise _errors.CorruptCheckpointError(
-      f"{location}: `{key}`: cannot read stored data: {_store.error_text(e)}"
-    ) from e
+  return _wait(location, key, future, "cannot read stored data")
 
 
 def wait_open(location: _store.Location, key: str, future: ts.Future) -> ts.TensorStore:
   """The result of opening a stored array, with storage errors named by checkpoint and key."""
+  return _wait(location, key, future, "cannot open stored array")
+
+
+def _wait(location: _store.Location, key: str, future: ts.Future, what: str) -> Any:
   try:
     return future.result()
   except ValueError as e:
     raise _errors.CorruptCheckpointError(
-      f"{location}: `{key}`: cannot open stored array: {_store.error_text(e)}"
+      f"{location}: `{key}`: {what}: {_store.error_text(e)}"
     ) from e
 
 
