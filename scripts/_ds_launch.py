@@ -7,11 +7,12 @@ tests (see shared/DEEPSPEED_ON_CPU.md for why it is done this way).
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 
@@ -74,6 +75,37 @@ def launch_ranks(
     bad = next(r for r, c in enumerate(codes) if c)
     tail = (log_dir / f"rank{bad}.log").read_text()[-6000:]
     raise RuntimeError(f"{what}: ranks exited with {codes}; rank {bad}'s log:\n{tail}")
+
+
+def generate_checkpoint(
+  ckpt: str, world: int, worker_cmd: Callable[[str], list[str]], *, what: str
+) -> None:
+  """Makes the DeepSpeed checkpoint `ckpt` once: `world` ranks of `worker_cmd(folder)` write it.
+
+  They write into `ckpt.partial`, which becomes `ckpt` only when every rank succeeded; the
+  scripts DeepSpeed copies next to a checkpoint are dropped. Rank logs go to `ckpt.logs/`.
+  """
+  tmp = ckpt + ".partial"
+  shutil.rmtree(tmp, ignore_errors=True)
+  launch_ranks(world, worker_cmd(tmp), ckpt + ".logs", what=what)
+  for name in ("zero_to_fp32.py", "zero_to_torch.py"):
+    if os.path.exists(os.path.join(tmp, name)):
+      os.remove(os.path.join(tmp, name))
+  os.rename(tmp, ckpt)
+
+
+def install_fixture(dest: Path, ckpt: Path, universal: Path) -> None:
+  """Replaces `dest` with `ckpt/`, `universal/` and the `latest_universal` beside `universal`.
+
+  ds_to_universal writes `latest_universal` (holding "universal") next to its output folder,
+  so `engine.load_checkpoint(dest)` with `checkpoint.load_universal` finds `dest/universal`.
+  """
+  if dest.exists():
+    shutil.rmtree(dest)
+  dest.mkdir(parents=True)
+  shutil.copytree(ckpt, dest / "ckpt")
+  shutil.copytree(universal, dest / "universal")
+  shutil.copy(universal.parent / "latest_universal", dest / "latest_universal")
 
 
 def ds_to_universal(input_folder: str | os.PathLike, output_folder: str | os.PathLike) -> list[str]:

@@ -35,7 +35,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -43,6 +42,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench_util as bu
+from _ds_launch import generate_checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 8192
@@ -112,25 +112,11 @@ def _rank_worker(ckpt: str, dim: int, layers: int) -> None:
 
 
 def generate(ckpt: str, dim: int, layers: int) -> None:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  tmp = ckpt + ".partial"
-  shutil.rmtree(tmp, ignore_errors=True)
-  procs = []
-  for rank in range(2):
-    env = dict(os.environ, DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank))
-    env.update(WORLD_SIZE="2", LOCAL_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    env.update(OMP_NUM_THREADS="1")
-    cmd = [sys.executable, __file__, "--rank-worker", "--dir", tmp, "--dim", str(dim)]
-    procs.append(subprocess.Popen([*cmd, "--layers", str(layers)], env=env))
-  codes = [p.wait() for p in procs]
-  if any(codes):
-    raise SystemExit(f"generating the DeepSpeed checkpoint failed: exit codes {codes}")
-  for name in ("zero_to_fp32.py", "zero_to_torch.py"):
-    if os.path.exists(os.path.join(tmp, name)):
-      os.remove(os.path.join(tmp, name))
-  os.rename(tmp, ckpt)
+  args = ["--dim", str(dim), "--layers", str(layers)]
+  generate_checkpoint(
+    ckpt, 2, lambda tmp: [sys.executable, __file__, "--rank-worker", "--dir", tmp, *args],
+    what="ZeRO-2 checkpoint",
+  )  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------

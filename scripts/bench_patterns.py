@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import socket
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_convert as bc
+from _ds_launch import generate_checkpoint
 
 DIMS = {"vocab": 16384, "dim": 1024, "heads": 16, "kv_heads": 4, "head_dim": 64, "ffn": 2816}
 
@@ -56,25 +54,11 @@ def _rank_worker(ckpt: str, layers: int) -> None:
 
 
 def generate(ckpt: str, layers: int) -> None:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  tmp = ckpt + ".partial"
-  shutil.rmtree(tmp, ignore_errors=True)
-  procs = []
-  for rank in range(4):
-    env = dict(os.environ, DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank))
-    env.update(WORLD_SIZE="4", LOCAL_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    env.update(OMP_NUM_THREADS="1")
-    cmd = [sys.executable, __file__, "--rank-worker", "--dir", tmp, "--layers", str(layers)]
-    procs.append(subprocess.Popen(cmd, env=env))
-  codes = [p.wait() for p in procs]
-  if any(codes):
-    raise SystemExit(f"generating the DeepSpeed checkpoint failed: exit codes {codes}")
-  for name in ("zero_to_fp32.py", "zero_to_torch.py"):
-    if os.path.exists(os.path.join(tmp, name)):
-      os.remove(os.path.join(tmp, name))
-  os.rename(tmp, ckpt)
+  generate_checkpoint(
+    ckpt, 4,
+    lambda tmp: [sys.executable, __file__, "--rank-worker", "--dir", tmp, "--layers", str(layers)],
+    what="AutoTP checkpoint",
+  )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -547,6 +547,43 @@ def _best_of(old: dict | None, new: dict) -> dict:
   return merged
 
 
+# (description, time A, time B, target for A / B, higher is better), times as contender/phase
+TARGETS = [
+  ("ucp save speedup vs orbax (default, zstd)", "orbax/save", "ucp/save", 3.0, True),
+  ("ucp save speedup vs orbax_nozstd", "orbax_nozstd/save", "ucp/save", 1.5, True),
+  (
+    "ucp restore-different-mesh speedup vs orbax_nozstd",
+    "orbax_nozstd/restore_diff", "ucp/restore_diff", 2.0, True,
+  ),
+  (
+    "ucp restore-different / restore-same time",
+    "ucp/restore_diff", "ucp/restore_same", 1.2, False,
+  ),
+  ("ucp save bandwidth / raw write", "raw/save", "ucp/save", 0.5, True),
+  ("ucp restore-same bandwidth / raw read", "raw/restore_same", "ucp/restore_same", 0.5, True),
+  ("ucp restore-different bandwidth / raw read", "raw/restore_same", "ucp/restore_diff", 0.5, True),
+  (
+    "ucp.reshard speedup vs jax.device_put, first call",
+    "reshard_device_put/reshard_first", "reshard_ucp/reshard_first", 5.0, True,
+  ),
+  (
+    "ucp.reshard speedup vs jax.device_put, repeated",
+    "reshard_device_put/reshard", "reshard_ucp/reshard", 5.0, True,
+  ),
+]  # fmt: skip
+# What memory bandwidth allows any reshard that copies: device_put's time over numpy's.
+CEILINGS = [
+  (
+    "ceiling of any copying reshard vs device_put, first call (fresh memory)",
+    "reshard_device_put/reshard_first", "reshard_memcpy/reshard_first",
+  ),
+  (
+    "ceiling of any copying reshard vs device_put, repeated (warm memory)",
+    "reshard_device_put/reshard", "reshard_memcpy/reshard",
+  ),
+]  # fmt: skip
+
+
 def report(results: dict, args) -> dict:
   nbytes = next((r["state_bytes"] for r in results.values() if "state_bytes" in r), 0)
   shape = next((r["array_shape"] for r in results.values() if "array_shape" in r), None)
@@ -593,70 +630,11 @@ def report(results: dict, args) -> dict:
   if sizes:
     print("checkpoint size on disk: " + ", ".join(sizes))
 
-  s = lambda w, p: _sec(results, w, p)  # noqa: E731
-  checks = [
-    # (description, value, target, higher is better)
-    (
-      "ucp save speedup vs orbax (default, zstd)",
-      _ratio(s("orbax", "save"), s("ucp", "save")),
-      3.0,
-      True,
-    ),
-    (
-      "ucp save speedup vs orbax_nozstd",
-      _ratio(s("orbax_nozstd", "save"), s("ucp", "save")),
-      1.5,
-      True,
-    ),
-    (
-      "ucp restore-different-mesh speedup vs orbax_nozstd",
-      _ratio(s("orbax_nozstd", "restore_diff"), s("ucp", "restore_diff")),
-      2.0,
-      True,
-    ),
-    (
-      "ucp restore-different / restore-same time",
-      _ratio(s("ucp", "restore_diff"), s("ucp", "restore_same")),
-      1.2,
-      False,
-    ),
-    ("ucp save bandwidth / raw write", _ratio(s("raw", "save"), s("ucp", "save")), 0.5, True),
-    (
-      "ucp restore-same bandwidth / raw read",
-      _ratio(s("raw", "restore_same"), s("ucp", "restore_same")),
-      0.5,
-      True,
-    ),
-    (
-      "ucp restore-different bandwidth / raw read",
-      _ratio(s("raw", "restore_same"), s("ucp", "restore_diff")),
-      0.5,
-      True,
-    ),
-    (
-      "ucp.reshard speedup vs jax.device_put, first call",
-      _ratio(s("reshard_device_put", "reshard_first"), s("reshard_ucp", "reshard_first")),
-      5.0,
-      True,
-    ),
-    (
-      "ucp.reshard speedup vs jax.device_put, repeated",
-      _ratio(s("reshard_device_put", "reshard"), s("reshard_ucp", "reshard")),
-      5.0,
-      True,
-    ),
-  ]
-  # What memory bandwidth allows any reshard that copies: device_put's time over numpy's.
-  ceilings = [
-    (
-      "ceiling of any copying reshard vs device_put, first call (fresh memory)",
-      _ratio(s("reshard_device_put", "reshard_first"), s("reshard_memcpy", "reshard_first")),
-    ),
-    (
-      "ceiling of any copying reshard vs device_put, repeated (warm memory)",
-      _ratio(s("reshard_device_put", "reshard"), s("reshard_memcpy", "reshard")),
-    ),
-  ]
+  def ratio(over: str, under: str) -> float | None:  # "contender/phase" seconds over seconds
+    return _ratio(_sec(results, *over.split("/")), _sec(results, *under.split("/")))
+
+  checks = [(desc, ratio(a, b), target, higher) for desc, a, b, target, higher in TARGETS]
+  ceilings = [(desc, ratio(a, b)) for desc, a, b in CEILINGS]
   crow = []
   for desc, value, target, higher in checks:
     tgt = (">= " if higher else "<= ") + (

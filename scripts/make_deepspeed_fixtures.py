@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ds_launch import ds_to_universal, launch_ranks
+from _ds_launch import ds_to_universal, install_fixture, launch_ranks
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "tests" / "fixtures" / "deepspeed"
@@ -303,14 +303,7 @@ def make_fixture(name: str, out: Path, timeout: float = 600.0) -> dict[str, Any]
     }
     (tmp_path / "info.json").write_text(json.dumps(info, indent=2) + "\n")
 
-    if dest.exists():
-      shutil.rmtree(dest)
-    dest.mkdir(parents=True)
-    shutil.copytree(ckpt, dest / "ckpt")
-    shutil.copytree(universal, dest / "universal")
-    # ds_to_universal writes `latest_universal` (holding "universal") next to its output folder,
-    # so `engine.load_checkpoint(dest)` with `checkpoint.load_universal` finds `dest/universal`.
-    shutil.copy(tmp_path / "latest_universal", dest / "latest_universal")
+    install_fixture(dest, ckpt, universal)
     shutil.copy(tmp_path / "info.json", dest / "info.json")
   return {
     "name": name,

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -39,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _ds_launch import ds_to_universal, launch_ranks
+from _ds_launch import ds_to_universal, install_fixture, launch_ranks
 from make_deepspeed_fixtures import _dir_size
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -324,12 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as e:
       print(e)
       return 1
-    if dest.exists():
-      shutil.rmtree(dest)
-    dest.mkdir(parents=True)
-    shutil.copytree(ckpt, dest / "ckpt")
-    shutil.copytree(universal, dest / "universal")
-    shutil.copy(tmp_path / "latest_universal", dest / "latest_universal")
+    install_fixture(dest, ckpt, universal)
     info = {
       "name": NAME,
       "tp": TP,

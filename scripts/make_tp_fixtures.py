@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _ds_launch import ds_to_universal, launch_ranks
+from _ds_launch import ds_to_universal, install_fixture, launch_ranks
 from make_deepspeed_fixtures import RECOVERY_SCRIPTS, _dir_size
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -539,12 +539,7 @@ def make_fixture(name: str, out: Path, timeout: float = 600.0) -> dict[str, Any]
       ),
     }
     info_path.write_text(json.dumps(info, indent=1) + "\n")
-    if dest.exists():
-      shutil.rmtree(dest)
-    dest.mkdir(parents=True)
-    shutil.copytree(ckpt, dest / "ckpt")
-    shutil.copytree(universal, dest / "universal")
-    shutil.copy(tmp_path / "latest_universal", dest / "latest_universal")
+    install_fixture(dest, ckpt, universal)
     shutil.copy(info_path, dest / "info.json")
   return {
     "name": name,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import glob
 import json
 import os
 import shutil
@@ -28,8 +27,7 @@ def staging_location(target: _store.Location, token: int) -> _store.Location:
   """Where a save writes before it commits."""
   if target.local_dir is None:
     return target
-  parent, name = os.path.split(target.local_dir)
-  return _store.resolve(os.path.join(parent, f".{name}.ucp-tmp-{token:016x}"))
+  return _store.resolve(_store.staging_dir(target.local_dir, token))
 
 
 def check_writable(target: _store.Location, overwrite: bool) -> None:
@@ -144,8 +142,7 @@ def remove_stale_staging(target: _store.Location) -> None:
   """Deletes staging directories of saves to `target` that died (the caller holds the lock)."""
   if target.local_dir is None:
     return
-  parent, name = os.path.split(target.local_dir)
-  for stale in glob.glob(os.path.join(parent, f".{name}.ucp-tmp-*")):
+  for stale in _store.staging_dirs(target.local_dir):
     shutil.rmtree(stale, ignore_errors=True)
 
 

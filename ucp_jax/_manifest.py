@@ -6,7 +6,6 @@ import dataclasses
 import datetime
 import json
 import os
-import re
 from typing import Any
 
 from ucp_jax import _errors, _store
@@ -14,7 +13,6 @@ from ucp_jax import _errors, _store
 FORMAT = "ucp_jax"
 FORMAT_VERSION = 1
 MANIFEST_KEY = "manifest.json"
-_STAGING_RE = re.compile(r"^\.(.+)\.ucp-tmp-[0-9a-f]{16}(\.old)?$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,9 +165,8 @@ def _array_info(key: str, data: Any, where: str) -> ArrayInfo:
 def read(location: _store.Location) -> Manifest:
   """Reads the manifest of a committed checkpoint, or says why there is none."""
   where = str(location)
-  staging = location.local_dir and _STAGING_RE.match(os.path.basename(location.local_dir))
-  if staging:  # it may hold a manifest: written just before the rename that commits
-    target = os.path.join(os.path.dirname(location.local_dir), staging.group(1))
+  target = location.local_dir and _store.staged_for(location.local_dir)
+  if target:  # it may hold a manifest: written just before the rename that commits
     raise _errors.CheckpointNotFoundError(
       f"{where}: not a checkpoint but the staging directory of a save to {target} "
       "(still running, or it died before committing; the next save there removes it)"
@@ -186,16 +183,13 @@ def read(location: _store.Location) -> Manifest:
 
 
 def _why_missing(location: _store.Location) -> str:
-  import glob
-
   where = str(location)
   unfinished = (
     f"{where}: no committed checkpoint (a save to this path started and has not committed: "
     "still running, or it died)"
   )
   if location.local_dir is not None:
-    parent, name = os.path.split(location.local_dir)
-    if glob.glob(os.path.join(parent, f".{name}.ucp-tmp-*")):
+    if _store.staging_dirs(location.local_dir):
       return unfinished
     if not os.path.exists(location.local_dir):
       return f"{where}: no checkpoint here (the path does not exist)"

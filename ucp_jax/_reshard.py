@@ -65,18 +65,16 @@ def _device_put(arrays: dict[str, jax.Array], targets: dict[str, Any]) -> dict[s
 
   (device_put refuses key arrays that span several processes.)
   """
-  values, shardings, impls = [], [], {}
+  values, impls = [], {}
   for key, x in arrays.items():
-    target = targets[key]
+    # A NamedSharding lays out the key data too: its trailing key dimensions stay whole.
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) and isinstance(
-      target, jax.sharding.NamedSharding
+      targets[key], jax.sharding.NamedSharding
     ):
       impls[key] = jax.random.key_impl(x)
       x = jax.random.key_data(x)
-      target = jax.sharding.NamedSharding(target.mesh, target.spec, memory_kind=target.memory_kind)
     values.append(x)
-    shardings.append(target)
-  moved = dict(zip(arrays, jax.device_put(values, shardings)))
+  moved = dict(zip(arrays, jax.device_put(values, [targets[k] for k in arrays])))
   for key, impl in impls.items():
     moved[key] = jax.random.wrap_key_data(moved[key], impl=impl)
   return moved

@@ -92,6 +92,30 @@ def resolve(path: str | os.PathLike | Location) -> Location:
   return Location("file://" + local.rstrip("/") + "/", local)
 
 
+_STAGING = ".ucp-tmp-"  # a save to DIR/NAME stages in DIR/.NAME.ucp-tmp-TOKEN
+_STAGING_RE = re.compile(r"^\.(.+)\.ucp-tmp-[0-9a-f]{16}(\.old)?$")
+
+
+def staging_dir(target_dir: str, token: int) -> str:
+  """The directory a save to the local `target_dir` writes in before it commits."""
+  parent, name = os.path.split(target_dir)
+  return os.path.join(parent, f".{name}{_STAGING}{token:016x}")
+
+
+def staging_dirs(target_dir: str) -> list[str]:
+  """Staging directories of saves to `target_dir` that have not committed (or died)."""
+  import glob
+
+  parent, name = os.path.split(target_dir)
+  return glob.glob(os.path.join(parent, f".{glob.escape(name)}{_STAGING}*"))
+
+
+def staged_for(path: str) -> str | None:
+  """The target directory when `path` is a save's staging directory, else None."""
+  match = _STAGING_RE.match(os.path.basename(path))
+  return os.path.join(os.path.dirname(path), match.group(1)) if match else None
+
+
 def error_text(error: BaseException) -> str:
   """A TensorStore error as one readable line: the spec and source locations it appends cut."""
   text = str(error).splitlines()[0] if str(error) else type(error).__name__
