@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import ucp_jax
 from ucp_jax import _commit, _save, _store
+from ucp_jax._manifest import seal
 
 
 def _sds(shape, dtype=np.float32, spec=None):
@@ -116,7 +117,7 @@ def test_corrupted_chunk_is_caught(ckpt):
   with pytest.raises(ucp_jax.CorruptCheckpointError, match=r"a/c/0/0: `a`: checksum mismatch"):
     ucp_jax.restore(ckpt, {"a": sharding}, partial=True)
   problems = ucp_jax.open(ckpt).verify()
-  assert list(problems) == ["a"] and "Digest mismatch" in problems["a"]
+  assert list(problems) == ["a"] and "checksum mismatch" in problems["a"]
 
 
 def test_missing_or_short_chunk_is_caught(ckpt):
@@ -162,9 +163,18 @@ def test_truncated_foreign_and_future_manifests(ckpt):
   manifest.write_text(json.dumps({**json.loads(good), "format_version": 99}))
   with pytest.raises(ucp_jax.ManifestError, match="format version 99"):
     ucp_jax.open(ckpt)
-  manifest.write_text(json.dumps({**json.loads(good), "arrays": {"a": {"shape": [1]}}}))
+  manifest.write_bytes(seal({**json.loads(good), "arrays": {"a": {"shape": [1]}}}))
   with pytest.raises(ucp_jax.ManifestError, match="malformed"):
     ucp_jax.open(ckpt)
+
+
+def test_an_edited_manifest_is_detected(ckpt):
+  manifest = ckpt / "manifest.json"
+  good = json.loads(manifest.read_text())
+  for edit in ({"step": 7}, {"metadata": {"lr": 1}}, {"tree": {"a": "a"}}):
+    manifest.write_text(json.dumps({**good, **edit}, indent=1))
+    with pytest.raises(ucp_jax.ManifestError, match="checksum does not match its content"):
+      ucp_jax.open(ckpt)
 
 
 def test_saving_over_existing_needs_overwrite(ckpt, tmp_path):
@@ -303,16 +313,22 @@ def test_malformed_manifest_entries_name_the_key(ckpt):
     ({"shape": None}, "TypeError"),
   ):
     bad = {**good, "arrays": {**good["arrays"], "a": {**good["arrays"]["a"], **edit}}}
-    manifest.write_text(json.dumps(bad))
+    manifest.write_bytes(seal(bad))
     with pytest.raises(ucp_jax.ManifestError, match=f"malformed manifest entry `a`: .*{problem}"):
       ucp_jax.open(ckpt)
 
 
-def test_missing_array_metadata_is_named_without_tensorstore_spec(ckpt):
-  (ckpt / "a" / "zarr.json").unlink()
+def test_missing_array_metadata_is_named_without_tensorstore_spec(ckpt, tmp_path):
+  zstd = tmp_path / "zstd"
+  ucp_jax.save(zstd, ucp_jax.restore(ckpt), compression="zstd")
+  a = ucp_jax.open(zstd).read("a")
+  (zstd / "a" / "zarr.json").unlink()
   with pytest.raises(ucp_jax.CorruptCheckpointError, match=r"`a`: cannot open stored array") as e:
-    ucp_jax.open(ckpt).read("a")
+    ucp_jax.open(zstd).read("a")
   assert "tensorstore_spec" not in str(e.value) and len(str(e.value).splitlines()) == 1
+  assert f'"{zstd}/a/zarr.json" does not exist' in str(e.value)  # the path as the user named it
+  (ckpt / "a" / "zarr.json").unlink()  # raw chunks read without it, checked by the manifest
+  np.testing.assert_array_equal(ucp_jax.open(ckpt).read("a"), a)
   problems = ucp_jax.open(ckpt).verify()
   assert list(problems) == ["a"] and "zarr.json" in problems["a"]
   assert "tensorstore_spec" not in problems["a"]

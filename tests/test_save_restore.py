@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from chunk_reads import ChunkReads
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -210,16 +211,10 @@ def test_slice_shared_by_devices_is_read_once(tmp_path, monkeypatch):
   sharding = NamedSharding(MESHES["2x4"](), P("x"))
   target = {"w": jax.ShapeDtypeStruct((8, 8), np.float32, sharding=sharding)}
 
-  chunk_reads = []
-  real_read_into = _direct._read_into
-  monkeypatch.setattr(
-    _direct,
-    "_read_into",
-    lambda path, key, out: (chunk_reads.append(path), real_read_into(path, key, out))[1],
-  )
+  reads = ChunkReads(monkeypatch)
   out = ucp_jax.restore(tmp_path / "c", target)
   np.testing.assert_array_equal(np.asarray(out["w"]), data)
-  assert sorted(os.path.relpath(p, tmp_path / "c" / "w") for p in chunk_reads) == [
+  assert sorted(os.path.relpath(p, tmp_path / "c" / "w") for p in reads.files) == [
     f"c/{i}/0" for i in range(4)
   ]  # each chunk once
 

@@ -5,10 +5,11 @@ import os
 import jax
 import numpy as np
 import pytest
+from chunk_reads import ChunkReads
 from jax.sharding import PartitionSpec as P
 
 import ucp_jax
-from ucp_jax import _direct
+from ucp_jax import _chunks, _direct
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "tp", "autotp_tp2_dp2", "ckpt")
 
@@ -18,31 +19,6 @@ def converted(tmp_path_factory):
   dst = tmp_path_factory.mktemp("tp") / "converted"
   ucp_jax.convert(FIXTURE, dst)
   return str(dst)
-
-
-class _Reads:
-  """Records every region a restore asks for and every chunk file it reads, by key."""
-
-  def __init__(self, monkeypatch):
-    self.regions: dict[str, list] = {}
-    self.files: list[str] = []
-    start, read_into, mapped = _direct.start_read, _direct._read_into, _direct._mapped
-
-    def start_read(array_dir, key, regions, *args):
-      self.regions.setdefault(key, []).extend(regions)
-      return start(array_dir, key, regions, *args)
-
-    def counted(path, key, out):  # a chunk read straight into one slice
-      self.files.append(path)
-      return read_into(path, key, out)
-
-    def counted_mapped(path, key, nbytes):  # a chunk mapped and copied into several
-      self.files.append(path)
-      return mapped(path, key, nbytes)
-
-    monkeypatch.setattr(_direct, "start_read", start_read)
-    monkeypatch.setattr(_direct, "_read_into", counted)
-    monkeypatch.setattr(_direct, "_mapped", counted_mapped)
 
 
 def _leaves(tree):
@@ -66,8 +42,9 @@ def test_restore_on_any_model_axis(converted, monkeypatch, model):
   lm_head = shardings["params/lm_head.weight"].spec  # 51 rows: split only where it divides
   assert lm_head == (P("model", None) if model == 1 else P())
 
-  reads = _Reads(monkeypatch)
+  reads = ChunkReads(monkeypatch)
   restored = _leaves(ucp_jax.restore(converted, target))
+  files_read = list(reads.files)
   assert set(restored) == set(ckpt.keys())
   for key, array in restored.items():
     assert array.sharding == shardings[key], key
@@ -85,9 +62,9 @@ def test_restore_on_any_model_axis(converted, monkeypatch, model):
     assert asked == wanted, key
     chunks = set()
     for region in reads.regions[key]:
-      chunks |= set(_direct.chunks_in(region, info.chunks))
+      chunks |= set(_chunks.chunks_in(region, info.chunks))
     chunk_files += [_direct.chunk_path(os.path.join(converted, key), i) for i in chunks]
-  assert sorted(reads.files) == sorted(chunk_files)
+  assert sorted(files_read) == sorted(chunk_files)
 
 
 def test_a_device_slice_reads_only_its_chunks(converted, monkeypatch):
@@ -98,13 +75,13 @@ def test_a_device_slice_reads_only_its_chunks(converted, monkeypatch):
   assert ckpt[key].chunks == (16, 8)
   mesh = jax.make_mesh((1, 2), ("data", "model"), devices=jax.devices()[:2])
   sharding = _leaves(ucp_jax.tp_shardings(ckpt, mesh))[key]
-  reads = _Reads(monkeypatch)
+  reads = ChunkReads(monkeypatch)
   array = ucp_jax.restore(
     converted, {key.split("/")[0]: {key.split("/")[1]: sharding}}, partial=True
   )
   by_region = {}
   for region in reads.regions[key]:
-    by_region[(region[1].start, region[1].stop)] = list(_direct.chunks_in(region, (16, 8)))
+    by_region[(region[1].start, region[1].stop)] = list(_chunks.chunks_in(region, (16, 8)))
   assert by_region == {(0, 8): [(0, 0)], (8, 16): [(0, 1)]}
   assert sorted(
     os.path.basename(os.path.dirname(f)) + "/" + os.path.basename(f) for f in reads.files

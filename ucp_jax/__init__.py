@@ -10,12 +10,15 @@ from ucp_jax._errors import CheckpointNotFoundError as CheckpointNotFoundError
 from ucp_jax._errors import ConcurrentWriteError as ConcurrentWriteError
 from ucp_jax._errors import CorruptCheckpointError as CorruptCheckpointError
 from ucp_jax._errors import DtypeMismatchError as DtypeMismatchError
+from ucp_jax._errors import InvalidArgumentError as InvalidArgumentError
+from ucp_jax._errors import InvalidKeyError as InvalidKeyError
 from ucp_jax._errors import ManifestError as ManifestError
 from ucp_jax._errors import MappingError as MappingError
 from ucp_jax._errors import MissingDependencyError as MissingDependencyError
 from ucp_jax._errors import ShapeMismatchError as ShapeMismatchError
 from ucp_jax._errors import ShardingError as ShardingError
 from ucp_jax._errors import SourceFormatError as SourceFormatError
+from ucp_jax._errors import StorageError as StorageError
 from ucp_jax._errors import TreeMismatchError as TreeMismatchError
 from ucp_jax._errors import UcpError as UcpError
 from ucp_jax._errors import UnsafePickleError as UnsafePickleError
@@ -73,6 +76,8 @@ __all__ = [
   "CorruptCheckpointError",
   "DtypeMismatchError",
   "ExportReport",
+  "InvalidArgumentError",
+  "InvalidKeyError",
   "Manifest",
   "ManifestError",
   "MappingError",
@@ -81,6 +86,7 @@ __all__ = [
   "ShapeMismatchError",
   "ShardingError",
   "SourceFormatError",
+  "StorageError",
   "TreeMismatchError",
   "UcpError",
   "UnsafePickleError",

@@ -191,6 +191,7 @@ def snapshot(
   **options,
 ) -> Job:
   """Plans a save with the other processes and copies this process's shards to host memory."""
+  _store.check_compression(compression)
   target = _store.resolve(path)
   sync = _multihost.Sync(str(target))
 

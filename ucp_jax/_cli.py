@@ -118,7 +118,10 @@ def cmd_inspect(args, out: Console, err: Console) -> int:
       "created": m.created,
       "source": m.source,
       "metadata": m.metadata,
-      "arrays": {k: {**m.arrays[k].to_json(), "bytes": m.arrays[k].nbytes} for k in ckpt.keys()},
+      "arrays": {
+        k: {**m.arrays[k].to_json(checksums=False), "bytes": m.arrays[k].nbytes}
+        for k in ckpt.keys()
+      },
       "total_arrays": len(m.arrays),
       "total_bytes": m.nbytes,
     }
@@ -299,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
   err = Console(stderr=True, highlight=False, soft_wrap=True)
   try:
     return _COMMANDS[args.command](args, out, err)
-  except (_errors.UcpError, ValueError, OSError) as e:  # bad input: one message, no traceback
+  except (_errors.UcpError, OSError) as e:  # bad input: one message; a bug keeps its traceback
     err.print("[red]error:[/red]", escape(_message(e)), highlight=False)
     return 2
   except KeyboardInterrupt:

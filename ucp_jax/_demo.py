@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import time
 
+from ucp_jax import _errors
+
 STEPS = 20
 BATCH = 64
 FEATURES = 16
@@ -39,9 +41,11 @@ def run(out_dir: str = "demo_out", steps: int = STEPS, log=print) -> dict:
   import ucp_jax
 
   if steps < 1:
-    raise ValueError(f"steps={steps}: the demo needs at least 1 step per leg")
+    raise _errors.InvalidArgumentError(f"steps={steps}: the demo needs at least 1 step per leg")
   if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-    raise ValueError(f"{out_dir}: a file is in the way of the demo's checkpoint folder")
+    raise _errors.CheckpointExistsError(
+      f"{out_dir}: a file is in the way of the demo's checkpoint folder"
+    )
   os.makedirs(out_dir, exist_ok=True)  # before training: a bad path fails at once
   if len(jax.devices()) < 8:
     raise RuntimeError(

@@ -67,6 +67,18 @@ class MappingError(UcpError, ValueError):
   """Names or layouts that a mapping cannot carry between a checkpoint and a target."""
 
 
+class InvalidArgumentError(UcpError, ValueError):
+  """An option with a value ucp_jax cannot use (`compression="gzip"`, `chunk_bytes=0`, ...)."""
+
+
+class InvalidKeyError(UcpError, ValueError):
+  """A pytree path that cannot name an array in a checkpoint (too long a name, ...)."""
+
+
+class StorageError(UcpError, OSError):
+  """The storage refused a read or write: disk full, permission denied, unreachable, ..."""
+
+
 def bullet_list(lines: list[str], limit: int = 50) -> str:
   """Formats offending items one per line, eliding past `limit` so messages stay readable."""
   shown = [f"  {line}" for line in lines[:limit]]

@@ -51,6 +51,17 @@ def all_ok(ok: bool) -> bool:
   return bool(np.all(flags))
 
 
+def _allgather_bytes(data: bytes) -> list[bytes]:
+  """Every process's `data` on every process, through device collectives."""
+  from jax.experimental import multihost_utils
+
+  sizes = multihost_utils.process_allgather(np.array([len(data)], dtype=np.int64)).reshape(-1)
+  padded = np.zeros(max(1, int(sizes.max())), dtype=np.uint8)
+  padded[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+  rows = multihost_utils.process_allgather(padded).reshape(len(sizes), -1)
+  return [rows[i, : int(n)].tobytes() for i, n in enumerate(sizes)]
+
+
 class Sync:
   """The agreements of one save among the processes of a run.
 
@@ -89,6 +100,24 @@ class Sync:
       return values
     data = self._wait(what, self._client.blocking_key_value_get_bytes, key)
     return np.frombuffer(data, dtype=values.dtype).reshape(values.shape).copy()
+
+  def gather_to_primary(self, data: bytes, what: str) -> list[bytes]:
+    """Every process's `data`, in process order, on process 0 (an empty list elsewhere)."""
+    if process_count() == 1:
+      return [data]
+    if self._client is None:
+      gathered = _allgather_bytes(data)  # every process takes part in the collective
+      return gathered if is_primary() else []
+    key = f"{self._prefix}/{next(self._rounds)}/gather"
+    if not is_primary():
+      self._client.key_value_set_bytes(f"{key}/{process_index()}", data)
+      self._mine.append(f"{key}/{process_index()}")
+      return []
+    others = [
+      self._wait(what, self._client.blocking_key_value_get_bytes, f"{key}/{i}")
+      for i in range(1, process_count())
+    ]
+    return [data, *others]
 
   def all_ok(self, ok: bool, what: str) -> bool:
     """True on every process iff `ok` was true on every process; also a barrier."""

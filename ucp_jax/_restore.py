@@ -90,8 +90,14 @@ def restore(
   flat, unflatten = _tree.flatten(target, prefix=prefix)
   wants = _wants(flat)
   _validate(ckpt, wants, prefix, partial, cast)
-  values = _Reads(ckpt, max_host_bytes).run(wants)
-  return unflatten(values)
+  return unflatten(_read_all(ckpt, wants, max_host_bytes))
+
+
+def _read_all(ckpt: _reader.Checkpoint, wants: dict[str, _Want], max_host_bytes: int) -> dict:
+  try:
+    return _Reads(ckpt, max_host_bytes).run(wants)
+  except _errors.CorruptCheckpointError as e:
+    raise _reader.if_replaced(ckpt, e) from e
 
 
 def _restore_untargeted(ckpt: _reader.Checkpoint, prefix: str, max_host_bytes: int) -> Any:
@@ -99,7 +105,7 @@ def _restore_untargeted(ckpt: _reader.Checkpoint, prefix: str, max_host_bytes: i
   if not keys:
     raise _errors.TreeMismatchError(f"{ckpt.location}: no keys under subtree {prefix!r}")
   wants = {k: _Want(k, "numpy") for k in keys}
-  values = _Reads(ckpt, max_host_bytes).run(wants)
+  values = _read_all(ckpt, wants, max_host_bytes)
   for key in keys:
     info = ckpt[key]
     if info.kind == "scalar":
@@ -216,7 +222,7 @@ class _Reads:
     self._stores: dict[str, Any] = {}
 
   def run(self, wants: dict[str, _Want]) -> dict[str, Any]:
-    ts_keys = [k for k in wants if self._direct_dir(k) is None]
+    ts_keys = [k for k in wants if self._files(k) is None]
     futures = {k: self._ckpt.open_future(k) for k in ts_keys}
     location = self._ckpt.location
     self._stores = {k: _reader.wait_open(location, k, f) for k, f in futures.items()}
@@ -236,30 +242,23 @@ class _Reads:
     """Units of reading: every slice of a direct-read array together, else one slice each."""
     for key, want in wants.items():
       tasks = list(self._tasks(want))
-      if self._direct_dir(key) is not None:
+      if self._files(key) is not None:
         yield want, [t[1] for t in tasks], [t[2] for t in tasks], sum(t[3] for t in tasks)
       else:
         for _, index, devices, nbytes in tasks:
           yield want, [index], [devices], nbytes
 
-  def _direct_dir(self, key: str) -> str | None:
-    """The array's directory, when its chunk files can be read without TensorStore."""
-    location = self._ckpt.location
-    if type(self._ckpt) is not _reader.Checkpoint or location.local_dir is None:
-      return None
-    if not _direct.ENABLED or self._ckpt[key].compression is not None:
-      return None
-    return os.path.join(location.local_dir, key)
+  def _files(self, key: str) -> _direct.ArrayFiles | None:
+    """The array's chunk files, when they can be read without TensorStore."""
+    return self._ckpt.files(key)
 
   def _start(self, unit):
     want, indices, devices, nbytes = unit
     info = self._ckpt[want.key]
-    array_dir = self._direct_dir(want.key)
-    if array_dir is not None:
+    files = self._files(want.key)
+    if files is not None:
       regions = [_regions.normalize(index, info.shape) for index in indices]
-      hosts, wait = _direct.start_read(
-        array_dir, want.key, regions, info.dtype, info.chunks, info.shape
-      )
+      hosts, wait = _direct.start_read(files, regions)
     else:
       hosts, futures = zip(*(self._read(want.key, index) for index in indices))
 

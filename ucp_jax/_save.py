@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ucp_jax import _errors, _manifest, _multihost, _store, _tree
+from ucp_jax import _errors, _keypath, _manifest, _multihost, _store, _tree
 from ucp_jax._writer import Entry as _Entry
 from ucp_jax._writer import Writer as Writer
 from ucp_jax._writer import _together as _together
@@ -74,6 +74,7 @@ def save(
     )
 
   # A tree rejected on one process only must stop every process, not leave them waiting.
+  _store.check_compression(compression)
   entries, manifest = _together(sync, target, "checking the tree", plan)
   write(
     target,
@@ -97,6 +98,7 @@ def prepare(
   source: dict | None,
 ) -> tuple[list[_Entry], _manifest.Manifest]:
   """What `save` writes: an entry per leaf, and the manifest (raises for bad leaves)."""
+  _store.check_chunk_bytes(chunk_bytes)
   flat, _ = _tree.flatten(tree)
   entries = _plan(flat, chunk_bytes)
   manifest = _manifest.Manifest(
@@ -139,6 +141,12 @@ def _plan(flat: dict[str, Any], chunk_bytes: int) -> list[_Entry]:
   if bad:
     raise _errors.UnsupportedLeafError(
       "cannot save these leaves (supported: jax.Array, numpy arrays, Python numbers):\n"
+      + _errors.bullet_list(bad)
+    )
+  bad = _keypath.problems(flat)
+  if bad:
+    raise _errors.InvalidKeyError(
+      "these tree paths cannot name arrays in a checkpoint (rename the leaves):\n"
       + _errors.bullet_list(bad)
     )
   return entries

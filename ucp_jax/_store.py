@@ -14,53 +14,120 @@ import json
 import math
 import os
 import re
+import weakref
 from collections.abc import Sequence
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with numpy)
 import numpy as np
 import tensorstore as ts
 
+from ucp_jax import _errors
+
 CHUNK_BYTES = 4 << 20
 """Largest chunk written: small enough that a restore onto another mesh reads little extra."""
 
 _URL_SCHEMES = ("file://", "memory://", "gs://", "s3://", "gcs://")
 
+REQUEST_RETRIES = {"max_retries": 4, "initial_delay": "0.5s", "max_delay": "4s"}
+"""Retries of one request to an object store (TensorStore's default is 32, over minutes)."""
+
 # One context for the whole process: `memory://` checkpoints live as long as it does,
-# and every open shares its cache and concurrency limits. Chunk files are not fsynced
-# one by one; a save commits by renaming its directory, so a crashed process never
-# leaves a readable partial checkpoint.
+# and every open shares its cache and concurrency limits. Files written through it are
+# fsynced (`file_io_sync`); NONDURABLE, a child that shares everything else, is for
+# saves that opt out.
 CONTEXT = ts.Context(
   {
-    "file_io_sync": False,
+    "file_io_sync": True,
     "file_io_concurrency": {"limit": max(8, 2 * (os.cpu_count() or 1))},
     "cache_pool": {"total_bytes_limit": 0},
+    "gcs_request_retries": REQUEST_RETRIES,
+    "s3_request_retries": REQUEST_RETRIES,
   }
 )
+NONDURABLE = ts.Context({"file_io_sync": False}, parent=CONTEXT)
+
+
+def context(durable: bool = True) -> ts.Context:
+  return CONTEXT if durable else NONDURABLE
 
 
 @dataclasses.dataclass(frozen=True)
 class Location:
-  """A checkpoint root: a TensorStore kvstore URL ending in `/`.
+  """A checkpoint root (or a prefix below one): a TensorStore kvstore URL ending in `/`.
 
   `local_dir` is set when the root is a local directory, which makes an atomic
-  commit by rename possible.
+  commit by rename possible. `io_dir`, when set, is the path that reads go
+  through instead: `/proc/self/fd/N` of a directory opened once (`pin`), so that
+  a checkpoint replaced by a later save is still read from the generation that
+  was opened, never from a mix of two.
   """
 
   url: str
   local_dir: str | None = None
+  io_dir: str | None = dataclasses.field(default=None, compare=False)
+  pin: object = dataclasses.field(default=None, compare=False, repr=False)
 
   def kvstore_spec(self, key: str = "") -> dict:
     """The JSON kvstore spec of `key` below the root (keys are never URL-decoded)."""
     if self.local_dir is not None:
-      base = {"driver": "file", "path": self.local_dir.rstrip("/") + "/"}
+      base = {"driver": "file", "path": (self.io_dir or self.local_dir).rstrip("/") + "/"}
     else:
       base = _url_spec(self.url)
     return {**base, "path": base.get("path", "") + (key.strip("/") + "/" if key else "")}
+
+  def child(self, prefix: str) -> Location:
+    """The location of `prefix` (relative, `/`-separated) below this one."""
+    prefix = prefix.strip("/")
+    if not prefix:
+      return self
+    if self.local_dir is None:
+      return Location(self.url + prefix + "/")
+    return dataclasses.replace(
+      self,
+      url=self.url + prefix + "/",
+      local_dir=os.path.join(self.local_dir, prefix),
+      io_dir=self.io_dir and os.path.join(self.io_dir, prefix),
+    )
+
+  def io_path(self, key: str) -> str:
+    """The local path that reads of `key` use (local roots only)."""
+    return os.path.join(self.io_dir or self.local_dir, key)
 
   def __str__(self) -> str:
     if self.local_dir is not None:
       return self.local_dir
     return self.url if self.url.endswith("://") else self.url.rstrip("/")
+
+
+class _Pin:
+  """An open directory descriptor, closed when the last location holding it goes."""
+
+  def __init__(self, fd: int):
+    self.fd = fd
+    weakref.finalize(self, os.close, fd)
+
+
+def pin(location: Location, directory: str | None = None) -> Location:
+  """`location` with reads going through an open descriptor of its directory.
+
+  The descriptor keeps naming the directory that was there when it was opened:
+  an overwrite renames another one into place, and the deletion of the old one
+  makes reads fail rather than switch to the new files. Where `/proc/self/fd` is
+  not available, or the directory does not exist, `location` is returned as is.
+  `directory`, when given, is opened instead of `location.local_dir` (a
+  checkpoint that waits under another name to be renamed into place).
+  """
+  if location.local_dir is None or location.io_dir is not None or not _PROC_FD:
+    return location
+  try:
+    fd = os.open(directory or location.local_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+  except OSError:
+    return location
+  handle = _Pin(fd)
+  return dataclasses.replace(location, io_dir=f"/proc/self/fd/{fd}", pin=handle)
+
+
+_PROC_FD = os.path.isdir("/proc/self/fd")
 
 
 @functools.lru_cache(maxsize=64)
@@ -122,8 +189,13 @@ def error_text(error: BaseException) -> str:
   return re.sub(r" \[(tensorstore_spec|source locations)=.*$", "", text)
 
 
-def kvstore(location: Location) -> ts.KvStore:
-  return ts.KvStore.open(location.kvstore_spec(), context=CONTEXT).result()
+def prefix_range(prefix: str) -> ts.KvStore.KeyRange:
+  """Every key that starts with `prefix` (which ends with `/`)."""
+  return ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1))
+
+
+def kvstore(location: Location, durable: bool = True) -> ts.KvStore:
+  return ts.KvStore.open(location.kvstore_spec(), context=context(durable)).result()
 
 
 def zarr_dtype(dtype: np.dtype) -> str:
@@ -185,11 +257,10 @@ def array_spec(
   compression: str | None = None,
 ) -> dict:
   """A TensorStore spec that creates the zarr v3 array for `key`."""
+  check_compression(compression)
   codecs: list[dict] = [{"name": "bytes", "configuration": {"endian": "little"}}]
   if compression == "zstd":
     codecs.append({"name": "zstd", "configuration": {"level": 3}})
-  elif compression is not None:
-    raise ValueError(f"compression must be None or 'zstd', got {compression!r}")
   codecs.append({"name": "crc32c"})
   return {
     "driver": "zarr3",
@@ -208,6 +279,24 @@ def array_spec(
   }
 
 
+COMPRESSIONS = (None, "zstd")
+
+
+def check_compression(compression: str | None) -> None:
+  if compression not in COMPRESSIONS:
+    raise _errors.InvalidArgumentError(
+      f"compression={compression!r}: use None (raw chunks, the default) or 'zstd'"
+    )
+
+
+def check_chunk_bytes(chunk_bytes: int) -> None:
+  if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+    raise _errors.InvalidArgumentError(
+      f"chunk_bytes={chunk_bytes!r}: the largest chunk must be a positive number of bytes "
+      f"(default {CHUNK_BYTES})"
+    )
+
+
 def _fill_value(dtype: np.dtype):
   kind = np.dtype(dtype).kind
   if kind == "b":
@@ -217,18 +306,23 @@ def _fill_value(dtype: np.dtype):
   return 0 if kind in "iu" else 0.0
 
 
-def create_array(spec: dict) -> ts.Future:
-  return ts.open(spec, context=CONTEXT)
+def create_array(spec: dict, durable: bool = True) -> ts.Future:
+  return ts.open(spec, context=context(durable))
 
 
-def open_array(location: Location, key: str) -> ts.Future:
-  """Opens the stored array `key` for reading (and writing into, by a save in progress)."""
+def open_array(location: Location, key: str, durable: bool = True) -> ts.Future:
+  """Opens the stored array `key` for reading (and writing into, by a save in progress).
+
+  A missing chunk is an error, never the fill value: every chunk of a committed
+  checkpoint exists, so one that does not was lost, moved or deleted.
+  """
   return ts.open(
     {
       "driver": "zarr3",
       "kvstore": location.kvstore_spec(key),
       "recheck_cached_data": False,
       "store_data_equal_to_fill_value": True,
+      "fill_missing_data_reads": False,
     },
-    context=CONTEXT,
+    context=context(durable),
   )

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from ucp_jax import _reader, _store
+from ucp_jax import _chunks, _reader, _store
 
 _BLOCK_BYTES = 64 << 20
 
@@ -18,12 +18,13 @@ def verify(
 ) -> dict[str, str]:
   """Problems found, by key (empty when the checkpoint is sound).
 
-  Checks, for every array: the zarr metadata agrees with the manifest, every
-  chunk is present, and every chunk reads back with a valid crc32c checksum.
-  `on_array(key, nbytes)` is called after each array, for progress reporting.
+  Checks, for every array: the zarr metadata agrees with the manifest, the chunk
+  files are exactly those of the chunk grid (none missing, none extra), and every
+  chunk reads back with a valid crc32c that is the one the manifest recorded for
+  its place. `on_array(key, nbytes)` is called after each array, for progress.
   """
   problems: dict[str, str] = {}
-  kvstore = _store.kvstore(ckpt.location)
+  kvstore = _store.kvstore(ckpt.data)
   for key in ckpt.keys():
     info = ckpt[key]
     try:
@@ -40,23 +41,34 @@ def verify(
 
 def _check_array(ckpt: _reader.Checkpoint, kvstore, key: str) -> str | None:
   info = ckpt[key]
-  store = ckpt.tensorstore(key)
-  if tuple(store.shape) != info.shape or store.dtype.numpy_dtype != np.dtype(info.dtype):
+  stored = _reader.wait_open(ckpt.location, key, _store.open_array(ckpt.data, key))
+  chunks = tuple(stored.chunk_layout.read_chunk.shape or ())
+  if (tuple(stored.shape), stored.dtype.numpy_dtype, chunks) != (
+    info.shape,
+    np.dtype(info.dtype),
+    info.chunks,
+  ):
     return (
-      f"stored as {tuple(store.shape)} {store.dtype.numpy_dtype}, "
-      f"manifest says {info.shape} {info.dtype}"
+      f"zarr metadata says {tuple(stored.shape)} {stored.dtype.numpy_dtype} in chunks "
+      f"{chunks}, the manifest {info.shape} {info.dtype} in chunks {info.chunks}"
     )
+  store = ckpt.tensorstore(key)
   chunks = info.chunks
-  expected = (
-    math.prod(-(-d // c) for d, c in zip(info.shape, chunks)) if math.prod(info.shape) else 0
-  )
   if info.shape:
-    listed = kvstore.list(_prefix_range(f"{key}/c")).result()
+    listed = kvstore.list(_store.prefix_range(f"{key}/c/")).result()
     found = {k.decode().removeprefix(f"{key}/") for k in listed}
   else:  # the one chunk of a 0-d array is the key `c` itself
     found = {"c"} if kvstore.read(f"{key}/c").result().state == "value" else set()
-  if len(found) < expected:
-    return f"{expected - len(found)} of {expected} chunks missing: {_missing(ckpt, key, found)}"
+  expected = set(_chunk_names(info))
+  if expected - found:
+    missing = len(expected - found)
+    return f"{missing} of {len(expected)} chunks missing: {_missing(ckpt, key, found)}"
+  if found - expected:
+    extra = sorted(found - expected)
+    shown = ", ".join(f"{ckpt.data}/{key}/{name}" for name in extra[:3])
+    return f"{len(extra)} chunk files outside the chunk grid: {shown}" + (
+      ", ..." if len(extra) > 3 else ""
+    )
   step = max(1, _BLOCK_BYTES // max(1, math.prod(info.shape[1:]) * np.dtype(info.dtype).itemsize))
   if info.shape:
     step = max(chunks[0], step - step % chunks[0])
@@ -74,17 +86,15 @@ def _check_array(ckpt: _reader.Checkpoint, kvstore, key: str) -> str | None:
   return None
 
 
+def _chunk_names(info) -> Iterator[str]:
+  """The chunk keys of an array, relative to it (`c/0/1`; `c` for a 0-d array)."""
+  grid = [range(n) for n in _chunks.grid(info.shape, info.chunks)]
+  return ("/".join(["c", *map(str, index)]) for index in itertools.product(*grid))
+
+
 def _missing(ckpt: _reader.Checkpoint, key: str, found: set[str], limit: int = 3) -> str:
   """The first few missing chunk files, by path (`found`: the chunk keys present)."""
-  info = ckpt[key]
-  grid = [range(-(-d // c)) for d, c in zip(info.shape, info.chunks)]
-  names = ("/".join(["c", *map(str, index)]) for index in itertools.product(*grid))
+  names = _chunk_names(ckpt[key])
   missing = list(itertools.islice((n for n in names if n not in found), limit + 1))
-  shown = [f"{ckpt.location}/{key}/{name}" for name in missing[:limit]]
+  shown = [f"{ckpt.data}/{key}/{name}" for name in missing[:limit]]
   return ", ".join(shown) + (", ..." if len(missing) > limit else "")
-
-
-def _prefix_range(prefix: str):
-  import tensorstore as ts
-
-  return ts.KvStore.KeyRange(prefix + "/", prefix + "0")

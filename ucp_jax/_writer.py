@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import secrets
@@ -14,7 +15,17 @@ from typing import Any
 
 import numpy as np
 
-from ucp_jax import _commit, _direct, _errors, _manifest, _multihost, _regions, _store
+from ucp_jax import (
+  _chunks,
+  _commit,
+  _direct,
+  _errors,
+  _keypath,
+  _manifest,
+  _multihost,
+  _regions,
+  _store,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +45,12 @@ class Writer:
   Used as a context manager; leaving it without `commit` (an exception, a crash)
   removes the staging data and leaves the previous checkpoint as it was.
   Converters use it directly to write logical arrays from host memory.
+
+  Every chunk written gets its checksum recorded (`_chunks`); the commit gathers
+  them from every process into the manifest and refuses to commit an array with
+  a chunk nobody wrote. With `durable` (the default) every file is fsynced by the
+  thread that wrote it, and the directories before the commit, so a committed
+  checkpoint survives a power loss.
   """
 
   def __init__(
@@ -42,15 +59,19 @@ class Writer:
     *,
     overwrite: bool = False,
     sync: _multihost.Sync | None = None,
+    durable: bool = True,
   ):
     self.target = target
     self._overwrite = overwrite
     self._sync = sync or _multihost.Sync(str(target))
+    self._durable = durable
     self._primary = _multihost.is_primary()
     self._lock: _commit.Lock | None = None
     self._stores: dict[str, Any] = {}
     self._arrays: dict[str, _manifest.ArrayInfo] = {}
+    self._tables: dict[str, _chunks.Table] = {}
     self._inflight: list[Any] = []  # direct chunk writes started, waited for before an abort
+    self._data = ""  # the data prefix below the root (object stores)
     self.staging: _store.Location | None = None
 
   def __enter__(self) -> Writer:
@@ -64,7 +85,7 @@ class Writer:
         lock.acquire()
         self._lock = lock
         _commit.remove_stale_staging(self.target)
-        _commit.prepare_kvstore_target(self.target)
+        _commit.remove_other_generations(self.target, _commit.live_generation(self.target))
         status[:] = (1, token)
       except Exception as e:  # reported to the other processes, then raised here
         error = e
@@ -75,6 +96,7 @@ class Writer:
     if status[0] != 1:
       raise _errors.UcpError(f"{self.target}: process 0 could not start the save (see its log)")
     self.staging = _commit.staging_location(self.target, int(status[1]))
+    self._data = _commit.data_prefix(self.target, int(status[1]))
     return self
 
   def _together(self, what: str, fn, *args) -> None:
@@ -82,14 +104,22 @@ class Writer:
 
   def create(self, arrays: dict[str, _manifest.ArrayInfo], *, compression: str | None) -> None:
     """Creates every array (process 0), then opens them on the other processes."""
+    _store.check_compression(compression)
+    bad = _keypath.problems(arrays)
+    if bad:
+      raise _errors.InvalidKeyError(
+        f"{self.target}: these keys cannot name arrays in a checkpoint:\n"
+        + _errors.bullet_list(bad)
+      )
     self._arrays = {
       key: dataclasses.replace(info, compression=compression) for key, info in arrays.items()
     }
+    self._tables = {key: _chunks.Table(info.shape, info.chunks) for key, info in arrays.items()}
     if self._primary:
       self._together("creating the arrays", self._create, arrays, compression)
     else:
       self._together("creating the arrays", lambda: None)
-      futures = {key: _store.open_array(self.staging, key) for key in arrays}
+      futures = {key: _store.open_array(self.staging, key, self._durable) for key in arrays}
       self._stores = {key: f.result() for key, f in futures.items()}
 
   def _create(self, arrays: dict[str, _manifest.ArrayInfo], compression: str | None) -> None:
@@ -102,11 +132,14 @@ class Writer:
           dtype=np.dtype(info.dtype),
           chunks=info.chunks,
           compression=compression,
-        )
+        ),
+        self._durable,
       )
       for key, info in arrays.items()
     }
-    _write_groups(self.staging, list(arrays))
+    _write_groups(self.staging, list(arrays), self._durable)
+    if self._data:  # the root group of an object-store checkpoint, above its generation
+      _store.kvstore(self.target, self._durable).write("zarr.json", _group_json(True)).result()
     self._stores = {key: f.result() for key, f in futures.items()}
 
   def write_entries(self, entries: list[Entry], max_host_bytes: int) -> None:
@@ -148,14 +181,24 @@ class Writer:
   def _write(self, key: str, host: np.ndarray, index: tuple[slice, ...], immutable: bool):
     """Starts writing `host` into the region `index` of `key`; returns something to wait on."""
     info = self._arrays[key]
+    table = self._tables[key]
     if self.staging.local_dir is not None and info.compression is None and _direct.ENABLED:
       futures = _direct.write_region(
-        os.path.join(self.staging.local_dir, key), host, index, info.chunks, info.shape
+        os.path.join(self.staging.local_dir, key),
+        host,
+        index,
+        info.chunks,
+        info.shape,
+        record=table.set,
+        durable=self._durable,
       )
       self._inflight += futures
       if len(self._inflight) > 4096:  # keep the list short without scanning it per shard
         self._inflight = [f for f in self._inflight if not f.done()]
       return _AllOf(futures)
+    for chunk in _chunks.chunks_in(index, info.chunks):
+      region = _chunks.chunk_region(chunk, info.chunks, info.shape)
+      table.set(chunk, _chunks.of_block(host[_regions.relative(region, index)], info.chunks))
     return (
       self._stores[key][index].write(host, can_reference_source_data_indefinitely=immutable).commit
     )
@@ -173,17 +216,42 @@ class Writer:
 
   def commit(self, manifest: _manifest.Manifest) -> None:
     """Writes the manifest and makes the checkpoint visible, once every process is done."""
-    arrays = {
-      k: dataclasses.replace(v, compression=self._arrays[k].compression) if k in self._arrays else v
-      for k, v in manifest.arrays.items()
-    }
-    manifest = dataclasses.replace(manifest, arrays=arrays)
     self._together("writing", lambda: None)
+    entries = self._sync.gather_to_primary(_checksum_entries(self._tables), "gathering checksums")
     if self._primary:
-      self._together("the commit", _commit.commit, self.staging, self.target, manifest.to_bytes())
+      self._together("the commit", self._commit, manifest, entries)
     else:
       self._together("the commit", lambda: None)
     self.staging = None
+
+  def _commit(self, manifest: _manifest.Manifest, entries: list[bytes]) -> None:
+    keys = sorted(self._tables)
+    for raw in entries[1:]:  # this process's own entries are in its tables already
+      _merge_checksum_entries(self._tables, keys, raw)
+    incomplete = [
+      f"{k}: {t.missing()} of {t.written.size} chunks not written"
+      for k, t in self._tables.items()
+      if t.missing()
+    ]
+    if incomplete:
+      raise _errors.UcpError(
+        f"{self.target}: refusing to commit arrays that were not wholly written:\n"
+        + _errors.bullet_list(incomplete)
+      )
+    arrays = {
+      k: dataclasses.replace(
+        v, compression=self._arrays[k].compression, checksums=self._tables[k].crcs
+      )
+      if k in self._arrays
+      else v
+      for k, v in manifest.arrays.items()
+    }
+    manifest = dataclasses.replace(manifest, arrays=arrays, data=self._data)
+    if self._durable and self.staging.local_dir is not None:
+      _fsync_dirs(_array_dirs(self.staging.local_dir, self._arrays))
+    _commit.commit(self.staging, self.target, manifest.to_bytes(), durable=self._durable)
+    if self._data:
+      _commit.remove_other_generations(self.target, self._data)
 
   def __exit__(self, exc_type, exc, tb) -> None:
     if exc_type is not None:
@@ -242,26 +310,73 @@ def _owned_shards(entries: list[Entry], primary: bool) -> Iterator[tuple[Entry, 
   yield from jax_shards
 
 
-def _write_groups(location: _store.Location, keys: list[str]) -> None:
+def _checksum_entries(tables: dict[str, _chunks.Table]) -> bytes:
+  """The chunk checksums this process recorded, as bytes to send to process 0."""
+  parts = []
+  for number, key in enumerate(sorted(tables)):
+    flat, crcs = tables[key].entries()
+    part = np.empty(len(flat), dtype=_ENTRY)
+    part["array"], part["chunk"], part["crc"] = number, flat, crcs
+    parts.append(part)
+  return np.concatenate(parts).tobytes() if parts else b""
+
+
+def _merge_checksum_entries(tables: dict[str, _chunks.Table], keys: list[str], raw: bytes) -> None:
+  entries = np.frombuffer(raw, dtype=_ENTRY)
+  for number in np.unique(entries["array"]):
+    mine = entries[entries["array"] == number]
+    tables[keys[int(number)]].merge(mine["chunk"], mine["crc"])
+
+
+_ENTRY = np.dtype([("array", "<u4"), ("chunk", "<u8"), ("crc", "<u4")])
+
+
+def _array_dirs(root: str, arrays: dict[str, _manifest.ArrayInfo]) -> set[str]:
+  """Every directory a local save created: groups, arrays, and chunk folders."""
+  dirs = {root}
+  for key, info in arrays.items():
+    parts = key.split("/")
+    dirs.update(os.path.join(root, *parts[:i]) for i in range(1, len(parts) + 1))
+    grid = _chunks.grid(info.shape, info.chunks)
+    if len(grid) >= 1 and all(grid):
+      dirs.add(os.path.join(root, key, "c"))
+      for depth in range(1, len(grid)):
+        for prefix in np.ndindex(*grid[:depth]):
+          dirs.add(os.path.join(root, key, "c", *map(str, prefix)))
+  return dirs
+
+
+def _fsync_dirs(dirs: set[str]) -> None:
+  futures = [_direct.submit(_fsync_if_present, d) for d in dirs]
+  for f in futures:
+    f.result()
+
+
+def _fsync_if_present(path: str) -> None:
+  with contextlib.suppress(FileNotFoundError):
+    _commit.fsync_dir(path)
+
+
+def _write_groups(location: _store.Location, keys: list[str], durable: bool = True) -> None:
   """zarr v3 group nodes for the root and every inner path, so zarr readers can walk the tree."""
   groups = {""}
   for key in keys:
     parts = key.split("/")
     groups.update("/".join(parts[:i]) for i in range(1, len(parts)))
-  store = _store.kvstore(location)
-  futures = []
-  for group in groups:
-    attributes = {"ucp_jax": {"format_version": _manifest.FORMAT_VERSION}} if not group else {}
-    body = _json_bytes({"zarr_format": 3, "node_type": "group", "attributes": attributes})
-    futures.append(store.write(f"{group}/zarr.json" if group else "zarr.json", body))
+  store = _store.kvstore(location, durable)
+  futures = [
+    store.write(f"{group}/zarr.json" if group else "zarr.json", _group_json(not group))
+    for group in groups
+  ]
   for f in futures:
     f.result()
 
 
-def _json_bytes(obj: Any) -> bytes:
+def _group_json(root: bool) -> bytes:
   import json
 
-  return json.dumps(obj).encode()
+  attributes = {"ucp_jax": {"format_version": _manifest.FORMAT_VERSION}} if root else {}
+  return json.dumps({"zarr_format": 3, "node_type": "group", "attributes": attributes}).encode()
 
 
 def _is_jax_array(x: Any) -> bool:

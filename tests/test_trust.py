@@ -1,0 +1,190 @@
+"""Reads return what one save wrote, or raise: never zeros, never another chunk's bytes.
+
+Each case runs on every store path: raw chunks on a local disk (read without
+TensorStore), zstd chunks (read through TensorStore) and `memory://` (an object
+store), through `restore`, `open().read`, a rule-set view and `verify`.
+"""
+
+import itertools
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ucp_jax
+from ucp_jax import _store
+from ucp_jax import rules as R
+
+_ids = itertools.count()
+A = np.arange(64, dtype=np.float32).reshape(8, 8)
+B = -np.arange(64, dtype=np.float32).reshape(8, 8)
+
+
+@pytest.fixture(params=["raw", "zstd", "memory"])
+def saved(request, tmp_path):
+  """A checkpoint of two (8, 8) arrays in (2, 8) chunks, and a way to reach its chunk objects."""
+  where = f"memory://ucp_trust_{next(_ids)}" if request.param == "memory" else tmp_path / "c"
+  compression = "zstd" if request.param == "zstd" else None
+  ucp_jax.save(where, {"a": A, "b": B}, chunk_bytes=64, compression=compression)
+  return _Chunks(where)
+
+
+class _Chunks:
+  """The chunk objects of a saved checkpoint, as raw bytes by key."""
+
+  def __init__(self, where):
+    self.path = where
+    data = ucp_jax.open(where).manifest.data  # "" on disk, this save's generation on memory://
+    self.store = _store.kvstore(_store.resolve(where).child(data))
+
+  def get(self, key):
+    return self.store.read(key).result().value
+
+  def put(self, key, value):
+    self.store.write(key, value).result()
+
+  def delete(self, key):
+    self.store.write(key, None).result()
+
+
+def _every_read_fails(path, error, match):
+  """restore, read, a rule-set view and verify all refuse the damaged array `a`."""
+  with pytest.raises(error, match=match):
+    ucp_jax.restore(path)
+  mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])
+  target = {"a": NamedSharding(mesh, P("x")), "b": NamedSharding(mesh, P("x"))}
+  with pytest.raises(error, match=match):
+    ucp_jax.restore(path, target)
+  with pytest.raises(error, match=match):
+    ucp_jax.open(path).read("a")
+  view = R.RuleSet([R.Rule(r"a", "t", [R.transpose()])]).view(path, partial=True)
+  with pytest.raises(error, match=match):
+    view.read("t")
+  problems = ucp_jax.open(path).verify()
+  assert list(problems) == ["a"], problems
+  return problems["a"]
+
+
+def test_a_missing_chunk_is_an_error_on_every_path(saved):
+  saved.delete("a/c/1/0")
+  problem = _every_read_fails(saved.path, ucp_jax.CorruptCheckpointError, r"a/c/1/0")
+  assert "1 of 4 chunks missing" in problem
+
+
+def test_swapped_chunks_are_an_error_on_every_path(saved):
+  first, second = saved.get("a/c/0/0"), saved.get("a/c/1/0")
+  saved.put("a/c/0/0", second)
+  saved.put("a/c/1/0", first)
+  problem = _every_read_fails(saved.path, ucp_jax.CorruptCheckpointError, r"does not belong here")
+  assert "a/c/0/0" in problem or "a/c/1/0" in problem
+
+
+def test_a_chunk_of_another_array_is_an_error(saved):
+  saved.put("a/c/2/0", saved.get("b/c/2/0"))  # same size, valid on its own
+  _every_read_fails(saved.path, ucp_jax.CorruptCheckpointError, r"a/c/2/0.*does not belong here")
+
+
+def test_a_chunk_of_another_save_is_an_error(saved, tmp_path):
+  other = f"memory://ucp_trust_other_{next(_ids)}" if "memory" in str(saved.path) else tmp_path / "o"
+  compression = ucp_jax.open(saved.path)["a"].compression
+  ucp_jax.save(other, {"a": A + 1, "b": B}, chunk_bytes=64, compression=compression)
+  saved.put("a/c/3/0", _Chunks(other).get("a/c/3/0"))
+  _every_read_fails(saved.path, ucp_jax.CorruptCheckpointError, r"a/c/3/0.*does not belong here")
+
+
+def test_a_chunk_outside_the_grid_is_reported_by_verify(saved):
+  saved.put("a/c/9/0", saved.get("a/c/0/0"))
+  np.testing.assert_array_equal(ucp_jax.restore(saved.path)["a"], A)  # reads are unaffected
+  problems = ucp_jax.open(saved.path).verify()
+  assert list(problems) == ["a"] and "outside the chunk grid" in problems["a"]
+  assert "a/c/9/0" in problems["a"]
+
+
+def test_undamaged_checkpoints_read_back_exactly(saved):
+  out = ucp_jax.restore(saved.path)
+  np.testing.assert_array_equal(out["a"], A)
+  np.testing.assert_array_equal(out["b"], B)
+  assert ucp_jax.open(saved.path).verify() == {}
+
+
+# --- keys ---
+
+
+def _reseal(path, edit):
+  """Rewrites the manifest with `edit` applied and a valid checksum (a crafted manifest)."""
+  from ucp_jax._manifest import seal
+
+  manifest = os.path.join(path, "manifest.json")
+  with open(manifest) as f:
+    data = json.load(f)
+  edit(data)
+  with open(manifest, "wb") as f:
+    f.write(seal(data))
+
+
+@pytest.mark.parametrize(
+  "key",
+  ["../outside/secret", "/abs", "a//b", ".", "manifest.json", "x/zarr.json", "__x", "a b"],
+)
+def test_keys_that_leave_the_checkpoint_or_name_its_files_are_refused(tmp_path, key):
+  outside = tmp_path / "outside"
+  ucp_jax.save(outside, {"secret": np.ones(3)})
+  root = tmp_path / "root"
+  ucp_jax.save(root, {"a": np.zeros(3)})
+  shutil.copytree(outside / "secret", root / "sub" / "secret")
+
+  def edit(data):
+    data["arrays"][key] = data["arrays"].pop("a")
+    data["tree"] = {"k": key}
+
+  _reseal(root, edit)
+  with pytest.raises(ucp_jax.ManifestError, match="cannot name arrays inside the checkpoint"):
+    ucp_jax.restore(root)
+
+
+def test_a_key_below_another_array_is_refused(tmp_path):
+  ucp_jax.save(tmp_path / "c", {"a": np.zeros(3), "b": np.ones(3)})
+
+  def edit(data):
+    data["arrays"]["a/c"] = data["arrays"].pop("b")
+    data["tree"] = {"a": "a", "x": "a/c"}
+
+  _reseal(tmp_path / "c", edit)
+  with pytest.raises(ucp_jax.ManifestError, match="lies below the array 'a'"):
+    ucp_jax.open(tmp_path / "c")
+
+
+def test_leaf_names_the_store_uses_itself_are_escaped(tmp_path):
+  tree = {"manifest.json": np.ones(2), "zarr.json": {"x": np.zeros(1)}, "..": 1, "c": {"c": 2.0}}
+  ucp_jax.save(tmp_path / "c", tree)
+  assert ucp_jax.open(tmp_path / "c").keys() == ["%2E%2E", "%6Danifest.json", "%7Aarr.json/x", "c/c"]
+  out = ucp_jax.restore(tmp_path / "c")
+  assert out[".."] == 1 and out["c"] == {"c": 2.0}
+  np.testing.assert_array_equal(out["manifest.json"], np.ones(2))
+  assert ucp_jax.open(tmp_path / "c").verify() == {}
+
+
+def test_too_long_a_key_is_refused_before_anything_is_written(tmp_path):
+  with pytest.raises(ucp_jax.InvalidKeyError, match="path component of 300 characters"):
+    ucp_jax.save(tmp_path / "c", {"a" * 300: 1, "b": 2})
+  assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+  ("options", "match"),
+  [
+    ({"compression": "gzip"}, "compression='gzip': use None"),
+    ({"chunk_bytes": 0}, "chunk_bytes=0"),
+    ({"chunk_bytes": -1}, "chunk_bytes=-1"),
+  ],
+)
+def test_bad_options_are_refused_before_anything_is_written(tmp_path, options, match):
+  for save in (ucp_jax.save, ucp_jax.save_async):
+    with pytest.raises(ucp_jax.InvalidArgumentError, match=match):
+      save(tmp_path / "c", {"a": np.ones(2)}, **options)
+  assert os.listdir(tmp_path) == []
