@@ -81,14 +81,17 @@ def write_region(
 def _write_chunk(path: str, index, block: np.ndarray, chunks, record, durable: bool) -> None:
   raw = _chunks.raw_bytes(_chunks.padded(block, chunks))  # an edge chunk is stored padded
   crc = crc32c.crc32c(raw)
-  _makedirs(os.path.dirname(path))
-  fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
   try:
-    os.writev(fd, [raw, struct.pack("<I", crc)])
-    if durable:
-      os.fsync(fd)
-  finally:
-    os.close(fd)
+    _makedirs(os.path.dirname(path))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+      os.writev(fd, [raw, struct.pack("<I", crc)])
+      if durable:
+        os.fsync(fd)
+    finally:
+      os.close(fd)
+  except OSError as e:
+    raise OSError(e.errno, e.strerror, e.filename or path) from e
   record(index, crc)
 
 
@@ -144,9 +147,7 @@ def start_read(files: ArrayFiles, regions: list[Region]):
   for i, region in enumerate(regions):
     for index in _chunks.chunks_in(region, files.info.chunks):
       users.setdefault(index, []).append(i)
-  tasks = [
-    _POOL.submit(_read_chunk, files, index, regions, outs, users[index]) for index in users
-  ]
+  tasks = [_POOL.submit(_read_chunk, files, index, regions, outs, users[index]) for index in users]
 
   def wait() -> None:
     for task in tasks:
@@ -189,6 +190,8 @@ def mapped_chunk(files: ArrayFiles, index: tuple[int, ...]) -> np.ndarray:
         mapped = mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ)
   except FileNotFoundError:
     raise _errors.CorruptCheckpointError(f"{shown}: `{files.key}`: chunk file missing") from None
+  except OSError as e:
+    raise _store_error(e, shown, files.key) from e
   if size != nbytes + 4 or not nbytes:  # an empty chunk, or a short one (read_chunk_into says so)
     buffer = np.empty(info.chunks, dtype)
     read_chunk_into(files, index, buffer)
@@ -209,12 +212,17 @@ def read_chunk_into(files: ArrayFiles, index: tuple[int, ...], out: np.ndarray) 
       tail = f.read(5)
   except FileNotFoundError:
     raise _errors.CorruptCheckpointError(f"{shown}: `{files.key}`: chunk file missing") from None
+  except OSError as e:
+    raise _store_error(e, shown, files.key) from e
   if got != raw.nbytes or len(tail) != 4:
     raise _errors.CorruptCheckpointError(
-      f"{shown}: `{files.key}`: chunk file holds {got + len(tail)} bytes, "
-      f"expected {raw.nbytes + 4}"
+      f"{shown}: `{files.key}`: chunk file holds {got + len(tail)} bytes, expected {raw.nbytes + 4}"
     )
   _check(files, index, shown, struct.unpack("<I", tail)[0], crc32c.crc32c(raw))
+
+
+def _store_error(error: OSError, shown: str, key: str) -> _errors.StorageError:
+  return _errors.StorageError(f"{shown}: `{key}`: cannot read the chunk file: {error.strerror}")
 
 
 def _check(files: ArrayFiles, index, shown: str, stored: int, computed: int) -> None:

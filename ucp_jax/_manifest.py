@@ -276,12 +276,7 @@ def read(location: _store.Location, *, staged: bool = False) -> Manifest:
       f"{where}: not a checkpoint but the staging directory of a save to {target} "
       "(still running, or it died before committing; the next save there removes it)"
     )
-  try:
-    result = _store.kvstore(location).read(MANIFEST_KEY).result()
-  except ValueError as e:  # a kvstore that cannot even be opened or listed
-    raise _errors.CheckpointNotFoundError(
-      f"{where}: cannot open checkpoint: {_store.error_text(e)}"
-    ) from e
+  result = _store.kvstore(location).read(MANIFEST_KEY).result()
   if result.state != "value":
     raise _errors.CheckpointNotFoundError(_why_missing(location))
   return Manifest.from_bytes(result.value, f"{where}/{MANIFEST_KEY}")
@@ -303,7 +298,7 @@ def _why_missing(location: _store.Location) -> str:
   else:
     try:
       lock = _store.kvstore(location).read(".ucp-lock").result().state == "value"  # _commit's
-    except ValueError:
+    except _errors.StorageError:
       lock = False
     if lock:
       return unfinished

@@ -9,6 +9,7 @@ through TensorStore, so local directories and kvstore URLs (`file://`,
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import json
 import math
@@ -56,14 +57,17 @@ class Location:
   """A checkpoint root (or a prefix below one): a TensorStore kvstore URL ending in `/`.
 
   `local_dir` is set when the root is a local directory, which makes an atomic
-  commit by rename possible. `io_dir`, when set, is the path that reads go
-  through instead: `/proc/self/fd/N` of a directory opened once (`pin`), so that
-  a checkpoint replaced by a later save is still read from the generation that
-  was opened, never from a mix of two.
+  commit by rename possible. `spec` is the TensorStore kvstore JSON spec when the
+  user gave one (an S3 endpoint, a region, retries in its `context`); `url` then
+  only names it. `io_dir`, when set, is the path that reads go through instead:
+  `/proc/self/fd/N` of a directory opened once (`pin`), so that a checkpoint
+  replaced by a later save is still read from the generation that was opened,
+  never from a mix of two.
   """
 
   url: str
   local_dir: str | None = None
+  spec: str | None = None
   io_dir: str | None = dataclasses.field(default=None, compare=False)
   pin: object = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -71,6 +75,8 @@ class Location:
     """The JSON kvstore spec of `key` below the root (keys are never URL-decoded)."""
     if self.local_dir is not None:
       base = {"driver": "file", "path": (self.io_dir or self.local_dir).rstrip("/") + "/"}
+    elif self.spec is not None:
+      base = json.loads(self.spec)
     else:
       base = _url_spec(self.url)
     return {**base, "path": base.get("path", "") + (key.strip("/") + "/" if key else "")}
@@ -81,7 +87,8 @@ class Location:
     if not prefix:
       return self
     if self.local_dir is None:
-      return Location(self.url + prefix + "/")
+      spec = self.spec and json.dumps(self.kvstore_spec(prefix), sort_keys=True)
+      return Location(self.url + prefix + "/", spec=spec)
     return dataclasses.replace(
       self,
       url=self.url + prefix + "/",
@@ -139,10 +146,16 @@ def _url_spec(url: str) -> dict:
   return json.loads(_url_spec_cached(url))
 
 
-def resolve(path: str | os.PathLike | Location) -> Location:
-  """Parses a user-given path: a local directory or a kvstore URL."""
+def resolve(path: str | os.PathLike | dict | Location) -> Location:
+  """Parses a user-given path: a local directory, a kvstore URL, or a kvstore JSON spec.
+
+  A spec (a dict, or its JSON text) reaches what a URL cannot: an S3 endpoint and
+  region, a GCS user project, retries in its own `context`.
+  """
   if isinstance(path, Location):
     return path
+  if isinstance(path, dict) or (isinstance(path, str) and path.lstrip().startswith("{")):
+    return _spec_location(path)
   text = os.fspath(path)
   if text.startswith("file://"):
     text = text[len("file://") :]
@@ -157,6 +170,23 @@ def resolve(path: str | os.PathLike | Location) -> Location:
     raise ValueError(f"{text}: unsupported URL scheme; use a local path or one of {_URL_SCHEMES}")
   local = os.path.abspath(os.path.expanduser(text))
   return Location("file://" + local.rstrip("/") + "/", local)
+
+
+def _spec_location(spec: dict | str) -> Location:
+  try:
+    spec = json.loads(spec) if isinstance(spec, str) else dict(spec)
+    parsed = ts.KvStore.Spec(spec)
+  except (TypeError, ValueError) as e:
+    raise _errors.InvalidArgumentError(f"not a TensorStore kvstore spec: {spec!r}: {e}") from e
+  path = str(spec.get("path", "")).rstrip("/")
+  spec["path"] = path + "/" if path else ""
+  try:
+    name = ts.KvStore.Spec({k: v for k, v in spec.items() if k != "context"}).url
+  except (NotImplementedError, ValueError):
+    name = f"{spec['driver']}://{parsed.to_json().get('bucket', '')}/{spec['path']}"
+  if not name.endswith("/"):
+    name += "/"
+  return Location(name, spec=json.dumps(spec, sort_keys=True))
 
 
 _STAGING = ".ucp-tmp-"  # a save to DIR/NAME stages in DIR/.NAME.ucp-tmp-TOKEN
@@ -183,6 +213,40 @@ def staged_for(path: str) -> str | None:
   return os.path.join(os.path.dirname(path), match.group(1)) if match else None
 
 
+_ADVICE = {
+  errno.ENOSPC: "no space left on the device: free some or save elsewhere",
+  errno.EDQUOT: "disk quota exceeded: free some or save elsewhere",
+  errno.EACCES: "permission denied: check who may write there",
+  errno.EPERM: "operation not permitted: check who may write there",
+  errno.EROFS: "the file system is read-only: save elsewhere",
+  errno.ENAMETOOLONG: "a file name is too long for this file system: use shorter keys",
+  errno.EIO: "the device reported an I/O error: check the disk",
+}
+_STATUS = re.compile(
+  r"^(NOT_FOUND|PERMISSION_DENIED|RESOURCE_EXHAUSTED|UNAVAILABLE|DATA_LOSS|ABORTED|"
+  r"INTERNAL|UNKNOWN|DEADLINE_EXCEEDED|UNAUTHENTICATED|FAILED_PRECONDITION|CANCELLED): "
+)
+
+
+def storage_error(error: BaseException, where: object, what: str, then: str = "") -> BaseException:
+  """`error` as a `StorageError` that says what failed and what to do, when it is one.
+
+  OS errors and TensorStore's storage failures (a `ValueError` led by a status code)
+  are; anything else (ucp_jax's own errors, bugs) is returned as it is.
+  """
+  if isinstance(error, _errors.UcpError):
+    return error
+  if isinstance(error, OSError):
+    advice = _ADVICE.get(error.errno, error.strerror or str(error))
+    file = f" ({error.filename})" if error.filename else ""
+    out = _errors.StorageError(f"{where}: {what}: {advice}{file}.{then and ' ' + then}")
+    out.errno = error.errno
+    return out
+  if isinstance(error, ValueError) and _STATUS.match(str(error)):
+    return _errors.StorageError(f"{where}: {what}: {error_text(error)}.{then and ' ' + then}")
+  return error
+
+
 def error_text(error: BaseException) -> str:
   """A TensorStore error as one readable line: the spec and source locations it appends cut."""
   text = str(error).splitlines()[0] if str(error) else type(error).__name__
@@ -194,8 +258,72 @@ def prefix_range(prefix: str) -> ts.KvStore.KeyRange:
   return ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1))
 
 
-def kvstore(location: Location, durable: bool = True) -> ts.KvStore:
-  return ts.KvStore.open(location.kvstore_spec(), context=context(durable)).result()
+def kvstore(location: Location, durable: bool = True) -> KvStore:
+  """The kvstore at `location`, its operations bounded in time on remote stores."""
+  opened = ts.KvStore.open(location.kvstore_spec(), context=context(durable))
+  return KvStore(wait(opened, location, "opening the store"), location)
+
+
+TIMEOUT_S = float(os.environ.get("UCP_STORE_TIMEOUT_S", "120"))
+"""How long one request to a remote store may go unanswered (env `UCP_STORE_TIMEOUT_S`)."""
+
+# A transfer that stalls (no byte for 30 s) fails and is retried instead of hanging for
+# the TCP timeout; TensorStore's own knobs, set here only where the user has not set them.
+os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", "30")
+os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")
+
+
+def wait(future: ts.Future, location: Location, what: str):
+  """`future.result()` with storage failures as `StorageError`s naming `location`.
+
+  On a remote store the wait is bounded by `TIMEOUT_S` (a missing network or
+  credentials otherwise hang in retries); Ctrl-C interrupts it either way.
+  """
+  try:
+    if location.local_dir is not None:
+      return future.result()
+    return future.result(timeout=TIMEOUT_S)
+  except TimeoutError:
+    future.cancel()
+    raise _errors.StorageError(
+      f"{location}: {what}: no answer within {TIMEOUT_S:g} s (no network, a wrong endpoint, "
+      "or missing credentials?); set UCP_STORE_TIMEOUT_S to wait longer"
+    ) from None
+  except ValueError as e:
+    raise _errors.StorageError(f"{location}: {what}: {error_text(e)}") from e
+
+
+class KvStore:
+  """A TensorStore kvstore whose operations say where they failed (see `wait`)."""
+
+  def __init__(self, store: ts.KvStore, location: Location):
+    self._store = store
+    self._location = location
+
+  def read(self, key: str, **options) -> _Pending:
+    return _Pending(self._store.read(key, **options), self._location, f"reading {key}")
+
+  def write(self, key: str, value: bytes | None, **options) -> _Pending:
+    what = f"deleting {key}" if value is None else f"writing {key}"
+    return _Pending(self._store.write(key, value, **options), self._location, what)
+
+  def list(self, key_range: ts.KvStore.KeyRange | None = None) -> _Pending:
+    listed = self._store.list() if key_range is None else self._store.list(key_range)
+    return _Pending(listed, self._location, "listing keys")
+
+  def delete_range(self, key_range: ts.KvStore.KeyRange) -> _Pending:
+    deleted = self._store.delete_range(key_range)
+    return _Pending(deleted, self._location, f"deleting {key_range.inclusive_min}...")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pending:
+  future: ts.Future
+  location: Location
+  what: str
+
+  def result(self):
+    return wait(self.future, self.location, self.what)
 
 
 def zarr_dtype(dtype: np.dtype) -> str:

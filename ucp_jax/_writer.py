@@ -88,7 +88,7 @@ class Writer:
         _commit.remove_other_generations(self.target, _commit.live_generation(self.target))
         status[:] = (1, token)
       except Exception as e:  # reported to the other processes, then raised here
-        error = e
+        error = _store.storage_error(e, self.target, "starting the save", _NOTHING_LOST)
     status = self._sync.broadcast_from_primary(status, "starting the save")
     if error is not None:
       self._release()
@@ -272,12 +272,17 @@ def _together(sync: _multihost.Sync, target: _store.Location, what: str, fn, *ar
   try:
     result = fn(*args)
   except Exception as e:
-    error = e
+    error = _store.storage_error(e, target, what, _NOTHING_LOST)
+    if error is not e:
+      error.__cause__ = e
   if not sync.all_ok(error is None, what):
     if error is not None:
       raise error
     raise _errors.UcpError(f"{target}: {what} failed on another process (see its log)")
   return result
+
+
+_NOTHING_LOST = "Nothing was committed; the checkpoint there before, if any, is intact."
 
 
 class _AllOf:
