@@ -75,6 +75,7 @@ class Job:
   overwrite: bool
   compression: str | None
   max_host_bytes: int
+  durable: bool = True
 
   def run(self) -> str:
     _save.write(
@@ -85,6 +86,7 @@ class Job:
       overwrite=self.overwrite,
       compression=self.compression,
       max_host_bytes=self.max_host_bytes,
+      durable=self.durable,
     )
     return str(self.target)
 
@@ -99,6 +101,7 @@ def save_async(
   compression: str | None = None,
   max_host_bytes: int = _save.DEFAULT_HOST_BYTES,
   chunk_bytes: int = _store.CHUNK_BYTES,
+  durable: bool = True,
   schema: dict | None = None,
   source: dict | None = None,
 ) -> SaveHandle:
@@ -129,6 +132,7 @@ def save_async(
     compression: None (default) or "zstd".
     max_host_bytes: bound on bytes handed to the store at once while writing.
     chunk_bytes: largest zarr chunk.
+    durable: fsync before the commit (see `save`).
     schema: universal parameter schema (filled by the Flax/Optax helpers).
     source: description of where the state came from (filled by converters).
 
@@ -144,6 +148,7 @@ def save_async(
     overwrite=overwrite,
     compression=compression,
     max_host_bytes=max_host_bytes,
+    durable=durable,
     step=step,
     metadata=metadata,
     chunk_bytes=chunk_bytes,
@@ -188,6 +193,7 @@ def snapshot(
   overwrite: bool,
   compression: str | None,
   max_host_bytes: int,
+  durable: bool = True,
   **options,
 ) -> Job:
   """Plans a save with the other processes and copies this process's shards to host memory."""
@@ -201,7 +207,7 @@ def snapshot(
 
   # Agreed like `save`'s planning, so a leaf rejected (or a copy failed) on one process stops all.
   entries, manifest = _writer._together(sync, target, "checking the tree", plan)
-  return Job(target, entries, manifest, sync, overwrite, compression, max_host_bytes)
+  return Job(target, entries, manifest, sync, overwrite, compression, max_host_bytes, durable)
 
 
 def _host_copies(entries: list[_save._Entry]) -> list[_save._Entry]:

@@ -45,6 +45,7 @@ class UcpCheckpointHandler(ocp.AsyncCheckpointHandler):
       overwrite=False,  # Orbax hands out a fresh directory for every step
       compression=args.compression,
       max_host_bytes=args.max_host_bytes,
+      durable=args.durable,
       step=args.step,
       metadata=args.metadata,
       chunk_bytes=args.chunk_bytes,
@@ -69,6 +70,7 @@ class UcpCheckpointHandler(ocp.AsyncCheckpointHandler):
       compression=args.compression,
       max_host_bytes=args.max_host_bytes,
       chunk_bytes=args.chunk_bytes,
+      durable=args.durable,
     )
 
   def restore(self, directory: epath.Path, args: UcpRestore | None = None) -> Any:
@@ -120,6 +122,7 @@ class UcpSave(ocp.args.CheckpointArgs):
   compression: str | None = None
   max_host_bytes: int = _save.DEFAULT_HOST_BYTES
   chunk_bytes: int = _store.CHUNK_BYTES
+  durable: bool = True
 
 
 @ocp.args.register_with_handler(UcpCheckpointHandler, for_restore=True)

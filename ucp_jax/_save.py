@@ -30,6 +30,7 @@ def save(
   compression: str | None = None,
   max_host_bytes: int = DEFAULT_HOST_BYTES,
   chunk_bytes: int = _store.CHUNK_BYTES,
+  durable: bool = True,
   schema: dict | None = None,
   source: dict | None = None,
 ) -> str:
@@ -52,10 +53,14 @@ def save(
     tree: the state to save.
     step: training step recorded in the manifest.
     metadata: JSON-serializable user metadata recorded in the manifest.
-    overwrite: replace an existing checkpoint at `path` (atomically on local disks).
+    overwrite: replace an existing checkpoint at `path`, atomically: a failed or killed
+      save leaves the old one readable.
     compression: None (default: the disk is faster than the codec) or "zstd".
     max_host_bytes: bound on array bytes held in host memory at once.
     chunk_bytes: largest zarr chunk; chunks align to the shards and split below this.
+    durable: fsync every file and directory before the commit (the default), so that a
+      committed checkpoint survives a power loss or kernel crash; False skips the
+      fsyncs (faster, for checkpoints that are cheap to lose).
     schema: universal parameter schema (filled by the Flax/Optax helpers).
     source: description of where the state came from (filled by converters).
 
@@ -84,6 +89,7 @@ def save(
     overwrite=overwrite,
     compression=compression,
     max_host_bytes=max_host_bytes,
+    durable=durable,
   )
   return str(target)
 
@@ -121,9 +127,10 @@ def write(
   overwrite: bool,
   compression: str | None,
   max_host_bytes: int,
+  durable: bool = True,
 ) -> None:
   """Creates, writes and commits the checkpoint `prepare` planned, with the other processes."""
-  with Writer(target, overwrite=overwrite, sync=sync) as writer:
+  with Writer(target, overwrite=overwrite, sync=sync, durable=durable) as writer:
     writer.create({e.key: e.info for e in entries}, compression=compression)
     writer.write_entries(entries, max_host_bytes)
     writer.commit(manifest)

@@ -1,0 +1,273 @@
+"""Commits lose nothing: a save killed at any step leaves the last checkpoint or the new one,
+whole; locks left by dead writers never block; readers never mix two saves; data is synced.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import ucp_jax
+from ucp_jax import _commit, _direct, _store
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "commit_fault_worker.py")
+
+
+def _run_worker(path, value, stage, direct=True):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "UCP_DIRECT": "1" if direct else "0"}
+  arg = json.dumps(path) if isinstance(path, dict) else str(path)
+  proc = subprocess.run(
+    [sys.executable, WORKER, arg, str(value), stage],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  return proc
+
+
+def _value_of(path) -> float:
+  """The one value every array of the checkpoint holds (it must be whole and uniform)."""
+  ckpt = ucp_jax.open(path)
+  assert ckpt.verify() == {}
+  out = ucp_jax.restore(path)
+  values = {float(v) for leaf in (out["a"], out["b"]["c"]) for v in np.unique(leaf)}
+  assert len(values) == 1, values
+  return values.pop()
+
+
+LOCAL_STAGES = [
+  ("writing", 1.0, True),
+  ("writing", 1.0, False),  # through TensorStore
+  ("before-commit", 1.0, True),
+  ("before-swap", 1.0, True),
+  ("after-exchange", 2.0, True),
+  ("fallback-between-renames", 2.0, True),
+  ("fallback-after-renames", 2.0, True),
+]
+
+
+@pytest.mark.parametrize(("stage", "expected", "direct"), LOCAL_STAGES)
+def test_a_save_killed_at_any_step_leaves_one_whole_checkpoint(tmp_path, stage, expected, direct):
+  path = tmp_path / "ckpt"
+  assert _run_worker(path, 1, "none").returncode == 0
+  proc = _run_worker(path, 2, stage, direct)
+  assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+  assert _value_of(path) == expected  # readable before anyone cleans up
+  assert _run_worker(path, 3, "none").returncode == 0  # the next save cleans up after it
+  assert _value_of(path) == 3
+  assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+OBJECT_STORE_STAGES = [("writing", 1.0), ("before-commit", 1.0), ("after-manifest", 2.0)]
+
+
+@pytest.mark.parametrize(("stage", "expected"), OBJECT_STORE_STAGES)
+def test_object_store_commit_killed_at_any_step(tmp_path, stage, expected):
+  # An object store without rename: a file kvstore spec keeps its data across processes.
+  path = {"driver": "file", "path": str(tmp_path / "bucket" / "ckpt")}
+  assert _run_worker(path, 1, "none").returncode == 0
+  proc = _run_worker(path, 2, stage)
+  assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+  assert _value_of(path) == expected
+  assert _run_worker(path, 3, "none").returncode == 0
+  assert _value_of(path) == 3
+  generations = [n for n in os.listdir(tmp_path / "bucket" / "ckpt") if n.startswith("g")]
+  live = ucp_jax.open(path).manifest.data.rstrip("/")
+  assert [g for g in generations if os.listdir(tmp_path / "bucket" / "ckpt" / g)] == [live]
+
+
+def test_a_failed_overwrite_on_an_object_store_keeps_the_old_checkpoint():
+  url = "memory://ucp_test_failed_overwrite"
+  ucp_jax.save(url, {"a": np.ones(4)})
+
+  class Boom:  # not storable: the save fails after taking the lock, before any data
+    pass
+
+  with pytest.raises(ucp_jax.UnsupportedLeafError):
+    ucp_jax.save(url, {"a": np.zeros(4), "b": Boom()}, overwrite=True)
+  np.testing.assert_array_equal(ucp_jax.restore(url)["a"], np.ones(4))
+  real = _store.KvStore.write
+
+  def failing(self, key, value, **options):
+    if key == "manifest.json" and value is not None:
+      raise OSError("the bucket went away")
+    return real(self, key, value, **options)
+
+  try:
+    _store.KvStore.write = failing
+    with pytest.raises(ucp_jax.StorageError, match="the bucket went away"):
+      ucp_jax.save(url, {"a": np.zeros(4)}, overwrite=True)
+  finally:
+    _store.KvStore.write = real
+  np.testing.assert_array_equal(ucp_jax.restore(url)["a"], np.ones(4))
+  assert ucp_jax.open(url).verify() == {}
+
+
+# --- locks ---
+
+
+def _lock_holder(tmp_path, script):
+  return subprocess.Popen(
+    [sys.executable, "-c", script],
+    stdout=subprocess.PIPE,
+    text=True,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
+
+
+_HOLD = """
+import sys, time
+from ucp_jax import _commit, _store
+_commit.Lock(_store.resolve({path!r}), 1).acquire()
+print("locked", flush=True)
+{after}
+"""
+
+
+def test_a_lock_file_left_empty_does_not_block(tmp_path):
+  (tmp_path / ".ckpt.ucp-lock").write_text("")  # killed between create and write, disk full
+  ucp_jax.save(tmp_path / "ckpt", {"a": np.ones(2)})
+  assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_a_live_lock_blocks_and_a_killed_holder_does_not(tmp_path):
+  path = str(tmp_path / "ckpt")
+  holder = _lock_holder(tmp_path, _HOLD.format(path=path, after="time.sleep(600)"))
+  assert holder.stdout.readline().strip() == "locked"
+  try:
+    with pytest.raises(ucp_jax.ConcurrentWriteError, match=f'"pid": {holder.pid}'):
+      ucp_jax.save(path, {"a": np.ones(2)})
+  finally:
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    holder.stdout.close()
+  ucp_jax.save(path, {"a": np.ones(2)})
+  np.testing.assert_array_equal(ucp_jax.restore(path)["a"], np.ones(2))
+
+
+def test_a_dead_but_unreaped_holder_does_not_block(tmp_path):
+  path = str(tmp_path / "ckpt")
+  holder = _lock_holder(tmp_path, _HOLD.format(path=path, after="import os; os._exit(0)"))
+  assert holder.stdout.readline().strip() == "locked"
+  deadline = 100
+  while deadline and _commit._proc_stat(holder.pid)[0:1] != ["Z"]:  # exited, not reaped
+    threading.Event().wait(0.05)
+    deadline -= 1
+  assert _commit._proc_stat(holder.pid)[0:1] == ["Z"]
+  ucp_jax.save(path, {"a": np.ones(2)})
+  holder.wait()
+  holder.stdout.close()
+
+
+def test_a_lock_of_an_older_ucp_jax_blocks_while_its_holder_lives(tmp_path):
+  lock = tmp_path / ".ckpt.ucp-lock"
+  import socket
+
+  lock.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "token": "x"}))
+  with pytest.raises(ucp_jax.ConcurrentWriteError):
+    ucp_jax.save(tmp_path / "ckpt", {"a": np.ones(2)})
+  dead = subprocess.run(
+    [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True
+  )
+  pid = int(dead.stdout)
+  lock.write_text(json.dumps({"host": socket.gethostname(), "pid": pid, "token": "x"}))
+  ucp_jax.save(tmp_path / "ckpt", {"a": np.ones(2)})
+
+
+def test_object_store_lock_of_a_dead_process_is_taken_over():
+  import socket
+
+  url = "memory://ucp_test_dead_lock"
+  store = _store.kvstore(_store.resolve(url))
+  dead = subprocess.run(
+    [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True
+  )
+  holder = {"host": socket.gethostname(), "pid": int(dead.stdout), "token": "x", "flock": True}
+  store.write(".ucp-lock", json.dumps(holder).encode()).result()
+  ucp_jax.save(url, {"a": np.ones(2)})
+  alive = {**holder, "pid": os.getpid(), "start": _commit._start_time(os.getpid())}
+  store.write(".ucp-lock", json.dumps(alive).encode()).result()
+  with pytest.raises(ucp_jax.ConcurrentWriteError, match="another save to this path"):
+    ucp_jax.save(url, {"a": np.zeros(2)}, overwrite=True)
+
+
+# --- readers and writers at once ---
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_a_reader_never_mixes_two_saves(tmp_path, where):
+  path = str(tmp_path / "ckpt") if where == "local" else "memory://ucp_test_isolation"
+  state = lambda v: {"a": np.full((256, 64), v, np.float32), "b": np.full((512,), v)}  # noqa: E731
+  ucp_jax.save(path, state(0), chunk_bytes=4096, overwrite=True)
+  stop = threading.Event()
+  errors, saves = [], [0]
+
+  def overwrite():
+    while not stop.is_set():
+      try:
+        ucp_jax.save(path, state(saves[0] + 1), chunk_bytes=4096, overwrite=True)
+      except BaseException as e:  # reported below
+        errors.append(e)
+        return
+      saves[0] += 1
+
+  writer = threading.Thread(target=overwrite)
+  writer.start()
+  whole, replaced = 0, 0
+  try:
+    reads = 0
+    while saves[0] < 8 and reads < 5000:
+      reads += 1
+      try:
+        out = ucp_jax.restore(path)
+      except ucp_jax.ConcurrentWriteError:
+        replaced += 1
+        continue
+      values = set(np.unique(out["a"]).tolist()) | set(np.unique(out["b"]).tolist())
+      assert len(values) == 1, f"a restore mixed saves {sorted(values)}"
+      whole += 1
+  finally:
+    stop.set()
+    writer.join()
+  assert not errors, errors
+  assert whole > 0 and saves[0] >= 8, (whole, replaced, saves)  # they did overlap
+
+
+# --- durability ---
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_a_durable_save_fsyncs_every_file_and_directory(tmp_path, monkeypatch, durable):
+  synced = set()
+  real = os.fsync
+
+  def fsync(fd):
+    staged = os.readlink(f"/proc/self/fd/{fd}")
+    synced.add(re.sub(r"/\.ckpt\.ucp-tmp-[0-9a-f]{16}", "/ckpt", staged))  # as committed
+    return real(fd)
+
+  monkeypatch.setattr(os, "fsync", fsync)
+  path = tmp_path / "ckpt"
+  tree = {"a": np.ones((64, 16), np.float32), "b": {"c": 1}}
+  ucp_jax.save(path, tree, chunk_bytes=1024, durable=durable)
+  if not durable:
+    assert synced == set()
+    return
+  # chunk files and the manifest (zarr.json files are written by TensorStore, which syncs them)
+  files = {str(p) for p in path.rglob("*") if p.is_file() and p.name != "zarr.json"}
+  dirs = {str(p) for p in path.rglob("*") if p.is_dir()} | {str(path)}
+  assert len(files) == 6 and files <= synced, files - synced
+  assert dirs <= synced, dirs - synced
+  assert str(tmp_path) in synced  # the rename into place
+
+
+def test_direct_reads_and_writes_are_on():
+  assert _direct.ENABLED
