@@ -269,14 +269,79 @@ def test_destination_exists(tmp_path):
   ):
     ucp_jax.export(src, dst)
   ucp_jax.export(src, dst, overwrite=True)
-  assert sorted(os.listdir(dst)) == [TAG, "latest_universal"]
+  assert sorted(os.listdir(dst)) == [TAG, "latest_universal", "ucp_export.json"]
   (tmp_path / "other").mkdir()
   (tmp_path / "other" / "notes.txt").write_text("mine")
-  with pytest.raises(ucp_jax.CheckpointExistsError, match="not a DeepSpeed universal checkpoint"):
+  with pytest.raises(ucp_jax.CheckpointExistsError) as e:
     ucp_jax.export(src, tmp_path / "other", overwrite=True)
+  assert str(e.value) == (
+    f"{tmp_path / 'other'}: not an earlier ucp_jax export, so the export will not replace it "
+    "(nothing was deleted); in the way:\n"
+    "  no ucp_export.json (every export writes one)\n"
+    "  notes.txt"
+  )
   (tmp_path / "file").write_text("")
   with pytest.raises(ucp_jax.CheckpointExistsError, match="a file is in the way"):
     ucp_jax.export(src, tmp_path / "file", overwrite=True)
+
+
+def _snapshot(root) -> dict[str, bytes]:
+  return {
+    str(p.relative_to(root)): p.read_bytes() if p.is_file() else b"<dir>"
+    for p in sorted(root.rglob("*"))
+  }
+
+
+@needs_torch
+def test_overwrite_refuses_a_deepspeed_training_folder(tmp_path, capsys):
+  """`latest_universal` beside DeepSpeed's own `latest` and tags: refused, nothing deleted."""
+  import shutil
+
+  src = F.fixture_checkpoint("z1_fp32_dp2", tmp_path / "ckpt")
+  run = tmp_path / "run"
+  shutil.copytree(F.FIXTURES / "z1_fp32_dp2" / "ckpt", run)  # `latest`, global_step3/
+  shutil.copytree(F.FIXTURES / "z1_fp32_dp2" / "universal", run / "universal")
+  (run / "latest_universal").write_text("universal")  # as ds_to_universal writes it
+  before = _snapshot(run)
+  with pytest.raises(ucp_jax.CheckpointExistsError) as e:
+    ucp_jax.export(src, run, overwrite=True)
+  assert str(e.value) == (
+    f"{run}: not an earlier ucp_jax export, so the export will not replace it (nothing was "
+    "deleted); in the way:\n"
+    "  no ucp_export.json (every export writes one)\n"
+    "  global_step3/\n"
+    "  latest\n"
+    "  latest_universal\n"
+    "  universal/"
+  )
+  assert _cli.main(["export", src, str(run), "--overwrite"]) == 2
+  assert "not an earlier ucp_jax export" in capsys.readouterr().err
+  assert _snapshot(run) == before
+
+
+@needs_torch
+def test_overwrite_refuses_an_export_something_else_wrote_into(tmp_path):
+  src = F.fixture_checkpoint("z1_fp32_dp2", tmp_path / "ckpt")
+  dst = tmp_path / "ds"
+  ucp_jax.export(src, dst)
+  (dst / "latest").write_text("global_step4")  # a DeepSpeed run saved into the export
+  (dst / "global_step4").mkdir()
+  (dst / TAG / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
+  before = _snapshot(dst)
+  with pytest.raises(ucp_jax.CheckpointExistsError) as e:
+    ucp_jax.export(src, dst, overwrite=True)
+  assert str(e.value).endswith(
+    "in the way:\n"
+    "  global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt\n"
+    "  global_step4/\n"
+    "  latest"
+  )
+  assert _snapshot(dst) == before
+  (dst / "latest").unlink()
+  (dst / "global_step4").rmdir()
+  (dst / TAG / "zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink()
+  ucp_jax.export(src, dst, overwrite=True, tag="again")  # an export again: replaced
+  assert sorted(os.listdir(dst)) == ["again", "latest_universal", "ucp_export.json"]
 
 
 @needs_torch

@@ -3,6 +3,7 @@
 Layout (docs/export.md; DeepSpeed 0.19.8's reader is described in docs/deepspeed_layouts.md §12):
 
   dst/latest_universal                      the tag, as text
+  dst/ucp_export.json                       {"written_by": "ucp_jax", "tags": [tag]}: an export
   dst/<tag>/zero/<name>/fp32.pt             {'cat_dim': 0, 'param': fp32 tensor, full shape}
   dst/<tag>/zero/<name>/<slot>.pt           the same for exp_avg, exp_avg_sq (every slot)
   dst/<tag>/zero/<name>/step.pt             0-d float32 tensor, the optimizer step
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import glob
+import json
 import os
 import secrets
 import shutil
@@ -39,6 +41,8 @@ DS_VERSION = "0.19.8"
 MODEL_STATES_1_2 = "mp_rank_00_model_states.pt"
 MODEL_STATES_3 = "zero_pp_rank_0_mp_rank_00_model_states.pt"
 LATEST = "latest_universal"
+MARKER = "ucp_export.json"
+"""Written into every export: an existing `dst` is replaced only if it is an earlier export."""
 _ML_DTYPES_AS = {"bfloat16": "uint16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
 
 
@@ -57,7 +61,13 @@ def import_torch():
 
 
 def check_destination(dst: str | os.PathLike, *, overwrite: bool, tag: str | None) -> str:
-  """The absolute export path, or an error if writing there would lose something."""
+  """The absolute export path, or an error if writing there would lose something.
+
+  An existing, non-empty `dst` is replaced only if it is an earlier export, exactly: its
+  `ucp_export.json`, `latest_universal` and the tag folders that file names, holding
+  nothing but what an export writes. A DeepSpeed training folder (`latest`, `global_stepN/`
+  with rank files) is refused whatever `overwrite` says, and nothing in it is touched.
+  """
   path = os.fspath(dst)
   if "://" in path:
     raise ValueError(f"{path}: a DeepSpeed export is written to a local directory")
@@ -70,16 +80,68 @@ def check_destination(dst: str | os.PathLike, *, overwrite: bool, tag: str | Non
   if blocker is not None:
     raise _errors.CheckpointExistsError(f"{path}: {blocker} is a file, not a directory")
   if os.path.isdir(path) and os.listdir(path):
-    if not os.path.isfile(os.path.join(path, LATEST)):
+    in_the_way = _not_an_export(path)
+    if in_the_way:
       raise _errors.CheckpointExistsError(
-        f"{path}: directory exists and is not a DeepSpeed universal checkpoint (no {LATEST}); "
-        "refusing to replace it"
+        f"{path}: not an earlier ucp_jax export, so the export will not replace it (nothing "
+        "was deleted); in the way:\n" + _errors.bullet_list(in_the_way)
       )
     if not overwrite:
       raise _errors.CheckpointExistsError(
         f"{path}: an export exists already; pass overwrite=True (--overwrite) to replace it"
       )
   return path
+
+
+_TAG_FILES = {"zero": True, MODEL_STATES_1_2: False, MODEL_STATES_3: False}  # name -> a folder
+
+
+def _not_an_export(path: str) -> list[str]:
+  """What in `path` an export does not write (empty: `path` is an earlier export)."""
+  names = sorted(os.listdir(path))
+  tags = _marked_tags(path)
+  if tags is None:
+    return [f"no {MARKER} (every export writes one)", *(_shown(path, n) for n in names)]
+  out = []
+  for name in names:
+    full = os.path.join(path, name)
+    if name in (LATEST, MARKER) and _plain(full, folder=False):
+      continue
+    if name in tags and _plain(full, folder=True):
+      out += [
+        _shown(path, f"{name}/{inner}")
+        for inner in sorted(os.listdir(full))
+        if not _plain(os.path.join(full, inner), folder=_TAG_FILES.get(inner))
+      ]
+      continue
+    out.append(_shown(path, name))
+  if LATEST not in names:
+    out.insert(0, f"no {LATEST}")
+  return out
+
+
+def _marked_tags(path: str) -> list[str] | None:
+  """The tags `ucp_export.json` names, or None if it is missing or not ours."""
+  try:
+    with open(os.path.join(path, MARKER)) as f:
+      marker = json.load(f)
+  except (OSError, ValueError):
+    return None
+  if not isinstance(marker, dict) or marker.get("written_by") != "ucp_jax":
+    return None
+  tags = marker.get("tags")
+  return [t for t in tags if isinstance(t, str)] if isinstance(tags, list) else None
+
+
+def _plain(path: str, *, folder: bool | None) -> bool:
+  """`path` is a folder (or a file) and no link; `folder` None: not expected at all."""
+  if folder is None or os.path.islink(path):
+    return False
+  return os.path.isdir(path) if folder else os.path.isfile(path)
+
+
+def _shown(root: str, name: str) -> str:
+  return name + ("/" if os.path.isdir(os.path.join(root, name)) else "")
 
 
 def write(
@@ -111,6 +173,8 @@ def write(
     writer.write_model_states(stages, global_steps)
     with open(os.path.join(staging, LATEST), "w") as f:
       f.write(tag)
+    with open(os.path.join(staging, MARKER), "w") as f:
+      json.dump({"written_by": "ucp_jax", "format": "deepspeed universal", "tags": [tag]}, f)
     _commit.swap_into_place(staging, dst)
   except BaseException:
     shutil.rmtree(staging, ignore_errors=True)
