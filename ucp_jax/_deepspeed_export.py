@@ -239,7 +239,7 @@ def notes(plan: _export_schema.ExportPlan, stages: tuple[int, ...]) -> list[str]
     )
   if 3 not in stages and len(stages) > 1:
     out.append(f"no ZeRO-3 files: its loader needs exp_avg and exp_avg_sq ({plan.optimizer_type})")
-  return out
+  return [*out, *plan.not_carried]
 
 
 class _Writer:

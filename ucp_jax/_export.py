@@ -27,7 +27,8 @@ class ExportReport:
     step: the optimizer step written.
     nbytes: bytes of array data written.
     seconds: wall time of the export.
-    notes: what the target framework's loader will not restore from these files, and why.
+    notes: what the target framework's loader will not restore from these files, and why,
+      and the JAX state the files leave out (`optax.MultiSteps` accumulation, an EMA tree).
   """
 
   path: str
@@ -90,7 +91,8 @@ def export(
     ValueError: an unknown `format` or `zero_stage`, or a bad `tag`.
     CheckpointExistsError: `dst` exists and `overwrite` is false, or is not an export.
     CheckpointNotFoundError: no committed checkpoint at `ckpt`.
-    MappingError: no parameter schema, or one with problems (all listed).
+    MappingError: no parameter schema, or one with problems (all listed), among them
+      optimizer state DeepSpeed has no names for (Lion, Adafactor, `optax.ema`, ...).
     MissingDependencyError: torch is not installed (`pip install ucp_jax[torch]`).
   """
   if format not in FORMATS:
@@ -105,6 +107,7 @@ def export(
   if rules is not None and naming != "torch":
     from ucp_jax import _export_flax
 
+    _export_schema.check_jax_only(opened)
     opened = _export_flax.torch_named(opened, rules)
   resolved = _export_schema.plan(opened)
   report = _deepspeed_export.write(

@@ -49,6 +49,7 @@ class ExportPlan:
   step: int
   extra: dict[str, Any]
   nbytes: int  # bytes of the arrays the export reads
+  not_carried: tuple[str, ...] = ()  # JAX state the export leaves out, one note each
 
   @property
   def slot_names(self) -> tuple[str, ...]:
@@ -100,6 +101,7 @@ def plan(ckpt: _reader.Checkpoint) -> ExportPlan:
   required = ADAM_SLOTS if opt_type in _ADAM_TYPES else ()
   _check_slots(trainable, required, problems)
   buffers = checker.buffers(schema.get("buffers") or {})
+  not_carried = _jax_only(optimizer.get("jax_only") or [], problems)
   if problems:
     raise _errors.MappingError(
       f"{ckpt.location}: cannot export: {len(problems)} problem(s) in the parameter schema:\n"
@@ -117,6 +119,7 @@ def plan(ckpt: _reader.Checkpoint) -> ExportPlan:
     step=step,
     extra=dict(schema.get("extra") or {}),
     nbytes=sum(ckpt[k].nbytes for k in read),
+    not_carried=tuple(not_carried),
   )
 
 
@@ -133,6 +136,58 @@ def _groups(groups: Any, problems: list[str]) -> list[dict[str, Any]]:
       hyper["betas"] = tuple(hyper["betas"])  # torch's own type; JSON turned it into a list
     out.append(hyper)
   return out
+
+
+def check_jax_only(ckpt: _reader.Checkpoint) -> None:
+  """Raises what `plan` would about optimizer state DeepSpeed has no names for, before a
+  Flax-named checkpoint is mapped to torch names (where it would show as missing slots)."""
+  optimizer = (ckpt.manifest.schema or {}).get("optimizer")
+  problems: list[str] = []
+  if isinstance(optimizer, dict):
+    _jax_only(optimizer.get("jax_only") or [], problems)
+  if problems:
+    raise _errors.MappingError(
+      f"{ckpt.location}: cannot export: {len(problems)} problem(s) in the parameter schema:\n"
+      + _errors.bullet_list(problems)
+    )
+
+
+def _jax_only(entries: Any, problems: list[str]) -> list[str]:
+  """State a JAX save holds that no DeepSpeed file can (`optimizer.jax_only`, docs/schema.md).
+
+  Optimizer slots DeepSpeed has no names for are refused (its optimizer would restart
+  without them); state beside the optimizer's (MultiSteps' accumulation, an EMA tree) is
+  left out with a note.
+  """
+  notes = []
+  if not isinstance(entries, list):
+    problems.append(f"optimizer `jax_only`: expected a list, got {entries!r}")
+    return notes
+  for entry in entries:
+    if not isinstance(entry, dict):
+      problems.append(f"optimizer `jax_only`: expected dict entries, got {entry!r}")
+      continue
+    where, form = entry.get("state"), entry.get("form")
+    if entry.get("export") == "drop" and form == "MultiStepsState":
+      notes.append(
+        f"`{where}` (optax.MultiSteps): its gradient accumulation is not carried "
+        f"({entry.get('mini_step', 0)} pending mini-step(s)); DeepSpeed resumes from the last "
+        "full optimizer step (set its gradient_accumulation_steps to accumulate alike)"
+      )
+    elif entry.get("export") == "drop":
+      notes.append(
+        f"`{where}`: neither model nor optimizer state (an EMA of the parameters, ...); "
+        "DeepSpeed has no place for it, so it is not exported"
+      )
+    else:
+      slots = ", ".join(entry.get("slots") or []) or "its state"
+      problems.append(
+        f"`{where}` (optax {form}: {slots} of {entry.get('params')} parameter(s)): DeepSpeed "
+        "has no slot names for this state (it keeps exp_avg, exp_avg_sq for Adam and "
+        "momentum_buffer for SGD), so its optimizer could not continue; this checkpoint moves "
+        "between JAX meshes only"
+      )
+  return notes
 
 
 def _check_slots(trainable: list[Param], required: tuple[str, ...], problems: list[str]) -> None:
