@@ -41,14 +41,18 @@ GB/s (10^9 bytes/s of array data) and peak RSS (the phase's own peak via /proc/s
 absolute, and above the RSS just before the phase, which holds the state). Every try starts
 after an untimed `os.sync()`, so no writeback from an earlier phase lands in it. Every restore and
 reshard is checked: the sharding is the one asked for and a crc32 of every array matches the
-original. Each phase runs `--repeat` times; the best time is reported.
+original. Each phase runs `--repeat` times in each of `--rounds` rounds (the contenders
+interleaved round by round); the report gives the median of all tries and their range, and
+computes every ratio from medians.
 
-Durability differs between the contenders and is not equalized: Orbax opens TensorStore with
-its default `file_io_sync` (true: data files are fsynced), ucp_jax sets `file_io_sync: False` and
-fsyncs only its metadata at commit, raw does not fsync. `--durable` adds, inside every timed save
-of every contender, an fsync of each file of the new checkpoint (a near no-op for Orbax), so
-that all saves end with the data on disk. Restores read from
-the page cache (the checkpoint was just written) unless `--drop-caches` (root: `sync; echo 3 >
+Durability is equal by default: every timed save ends with its data and directories on disk.
+ucp_jax is durable by itself (`durable=True`: each chunk file fsynced by its writer thread, the
+directories before the commit); Orbax fsyncs its data files (TensorStore's `file_io_sync`) and
+gets an fsync of every file and directory of its checkpoint inside the timed save (a near no-op
+for the data, which is synced already); raw fsyncs each file in its writer thread and the
+directory. `--no-durable` measures without: ucp_jax with `durable=False`, raw without fsync,
+Orbax as it is (it cannot be told not to sync its data). Restores read from the page cache (the
+checkpoint was just written) unless `--drop-caches` (root: `sync; echo 3 >
 /proc/sys/vm/drop_caches` before each restore / raw read).
 
 Usage:
@@ -219,8 +223,14 @@ def _warm_small(save, restore, root):
   shutil.rmtree(path, ignore_errors=True)
 
 
-def _checkpoint_phases(ph: Phases, state, crcs, same, diff, root, save, restore):
-  """save; restore onto the same shardings; restore onto the different mesh."""
+def _checkpoint_phases(
+  ph: Phases, state, crcs, same, diff, root, save, restore, *, sync_after: bool = True
+):
+  """save; restore onto the same shardings; restore onto the different mesh.
+
+  `sync_after`: fsync the checkpoint inside the timed save (`--durable`), for contenders that
+  are not durable by themselves.
+  """
   import jax
 
   _warm_small(save, restore, root)
@@ -230,7 +240,7 @@ def _checkpoint_phases(ph: Phases, state, crcs, same, diff, root, save, restore)
     path = os.path.join(root, f"ckpt_{len(paths)}")
     paths.append(path)
     save(path, state)
-    if ph.args.durable:
+    if ph.args.durable and sync_after:
       fsync_tree(path)
     return path
 
@@ -256,8 +266,8 @@ def _checkpoint_phases(ph: Phases, state, crcs, same, diff, root, save, restore)
   )
 
 
-def fsync_tree(path: str) -> None:
-  """fsyncs every file and directory under `path`, from a thread pool."""
+def fsync_tree(path: str, files: bool = True) -> None:
+  """fsyncs every file (unless `files=False`) and directory under `path`, from a thread pool."""
   from concurrent.futures import ThreadPoolExecutor
 
   def one(p):
@@ -267,7 +277,9 @@ def fsync_tree(path: str) -> None:
     finally:
       os.close(fd)
 
-  paths = [os.path.join(d, n) for d, _, files in os.walk(path) for n in [*files, "."]]
+  paths = [
+    os.path.join(d, n) for d, _, names in os.walk(path) for n in [*(names if files else []), "."]
+  ]
   with ThreadPoolExecutor(16) as pool:
     list(pool.map(one, paths))
 
@@ -284,9 +296,10 @@ def worker_ucp(ph, state, crcs, same, diff, root):
   import ucp_jax
 
   def save(path, tree):
-    ucp_jax.save(path, tree)
+    ucp_jax.save(path, tree, durable=ph.args.durable)
 
-  _checkpoint_phases(ph, state, crcs, same, diff, root, save, ucp_jax.restore)
+  # durable=True fsyncs every file and directory before the commit: no pass after it.
+  _checkpoint_phases(ph, state, crcs, same, diff, root, save, ucp_jax.restore, sync_after=False)
 
 
 def _orbax_logging_quiet():
@@ -358,6 +371,9 @@ def worker_raw(ph, state, crcs, same, diff, root):
     def go(key):
       with open(os.path.join(path, f"{key}.bin"), "wb") as f:
         host[key].tofile(f)
+        if ph.args.durable:  # in the writer thread, as ucp_jax does
+          f.flush()
+          os.fsync(f.fileno())
 
     return go
 
@@ -368,7 +384,7 @@ def worker_raw(ph, state, crcs, same, diff, root):
     with ThreadPoolExecutor(threads) as pool:
       list(pool.map(write_one(path), keys))
     if ph.args.durable:
-      fsync_tree(path)
+      fsync_tree(path, files=False)
     return path
 
   def drop_older(_, i):
@@ -516,15 +532,21 @@ def worker_main(args) -> int:
 
 def _sec(results, who, phase):
   p = results.get(who, {}).get("phases", {}).get(phase)
-  return None if p is None else p["seconds"]
+  return None if p is None else _median(p["tries"])
+
+
+def _median(values):
+  ordered = sorted(values)
+  mid = len(ordered) // 2
+  return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def _ratio(a, b):
   return None if a is None or b is None or b == 0 else a / b
 
 
-def _best_of(old: dict | None, new: dict) -> dict:
-  """Per phase the faster try, and the higher peak memory of all tries."""
+def _merge_rounds(old: dict | None, new: dict) -> dict:
+  """Every try of every round, per phase; the higher peak memory; verified only if all were."""
   if old is None or "error" in old:
     return new
   if "error" in new:
@@ -532,18 +554,20 @@ def _best_of(old: dict | None, new: dict) -> dict:
   merged = dict(old, phases=dict(old["phases"]))
   for phase, stats in new["phases"].items():
     kept = merged["phases"].get(phase)
-    faster = kept is None or stats["seconds"] < kept["seconds"]
-    best = dict(stats if faster else kept)
-    if kept is not None:
-      for key in ("peak_delta", "peak_rss"):
-        if key in stats and key in kept:
-          best[key] = max(stats[key], kept[key])
-      best["verified"] = (
-        None
-        if stats.get("verified") is None
-        else bool(stats.get("verified")) and bool(kept.get("verified"))
-      )
-    merged["phases"][phase] = best
+    if kept is None:
+      merged["phases"][phase] = stats
+      continue
+    both = dict(kept, tries=[*kept["tries"], *stats["tries"]])
+    for key in ("peak_delta", "peak_rss"):
+      if key in stats and key in kept:
+        both[key] = max(stats[key], kept[key])
+    both["verified"] = (
+      None
+      if stats.get("verified") is None
+      else bool(stats.get("verified")) and bool(kept.get("verified"))
+    )
+    merged["phases"][phase] = both
+  merged["errors"] = [*old.get("errors", []), *new.get("errors", [])]
   return merged
 
 
@@ -590,7 +614,7 @@ def report(results: dict, args) -> dict:
   print()
   print(
     f"state: {args.arrays} x {shape} float32 = {nbytes / bu.MiB:.0f} MiB ({nbytes / bu.GB:.3f} GB) "
-    f"on 8 CPU devices; repeat={args.repeat}, rounds={args.rounds} (best); "
+    f"on 8 CPU devices; repeat={args.repeat}, rounds={args.rounds} (medians of all tries); "
     f"drop_caches={args.drop_caches}; "
     f"durable={args.durable}; dir={args.dir}"
   )
@@ -604,12 +628,14 @@ def report(results: dict, args) -> dict:
       if p is None:
         continue
       ver = {True: "ok", False: "FAILED", None: "-"}[p.get("verified")]
+      median = _median(p["tries"])
       rows.append(
         [
           PHASE_LABEL[phase],
           who,
-          bu.fmt(p["seconds"], ".3f"),
-          bu.fmt(bu.gbps(nbytes, p["seconds"])),
+          bu.fmt(median, ".3f"),
+          f"{min(p['tries']):.3f}-{max(p['tries']):.3f} ({len(p['tries'])})",
+          bu.fmt(bu.gbps(nbytes, median)),
           bu.mib(p["peak_delta"]),
           bu.mib(p["peak_rss"]),
           ver,
@@ -617,9 +643,18 @@ def report(results: dict, args) -> dict:
       )
   print(
     bu.table(
-      ["phase", "contender", "seconds", "GB/s", "peak RSS +MiB", "peak RSS MiB", "verified"],
+      [
+        "phase",
+        "contender",
+        "median s",
+        "range s (tries)",
+        "GB/s",
+        "peak RSS +MiB",
+        "peak RSS MiB",
+        "verified",
+      ],
       rows,
-      align="llrrrrl",
+      align="llrrrrrl",
     )
   )
   sizes = [
@@ -689,13 +724,16 @@ def main(argv=None) -> int:
   ap.add_argument("--arrays", type=int, default=16, help="number of arrays (16)")
   ap.add_argument("--repeat", type=int, default=1, help="timed tries per phase, best kept (1)")
   ap.add_argument(
-    "--rounds", type=int, default=1, help="runs of every contender, interleaved; best kept (1)"
+    "--rounds", type=int, default=1, help="runs of every contender, interleaved; medians of all tries (1)"
   )
   ap.add_argument("--dir", default=None, help="where checkpoints go (a temp dir under /tmp)")
   ap.add_argument("--json", default=None, help="write all numbers to this file")
   ap.add_argument("--drop-caches", action="store_true", help="drop the page cache before restores")
   ap.add_argument(
-    "--durable", action="store_true", help="fsync every checkpoint file inside each timed save"
+    "--no-durable",
+    dest="durable",
+    action="store_false",
+    help="saves without fsync (ucp_jax durable=False, raw without fsync; Orbax syncs anyway)",
   )
   ap.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(CONTENDERS)}")
   ap.add_argument("--seed", type=int, default=0)
@@ -722,8 +760,8 @@ def main(argv=None) -> int:
   ]  # fmt: skip
   if args.drop_caches:
     common.append("--drop-caches")
-  if args.durable:
-    common.append("--durable")
+  if not args.durable:
+    common.append("--no-durable")
   results = {}
   try:
     # Rounds interleave the contenders, so that the page cache's drift over the run (this
@@ -732,7 +770,7 @@ def main(argv=None) -> int:
       for name in names:
         print(f"running {name} (round {rnd + 1} of {args.rounds}) ...", flush=True)
         run = bu.run_worker(os.path.abspath(__file__), name, common, env=dict(os.environ))
-        results[name] = _best_of(results.get(name), run)
+        results[name] = _merge_rounds(results.get(name), run)
   finally:
     if made_dir:
       shutil.rmtree(args.dir, ignore_errors=True)

@@ -271,3 +271,58 @@ def test_a_durable_save_fsyncs_every_file_and_directory(tmp_path, monkeypatch, d
 
 def test_direct_reads_and_writes_are_on():
   assert _direct.ENABLED
+
+
+# --- remote stores ---
+
+
+def _silent_endpoint():
+  """An S3 endpoint that accepts connections and never answers."""
+  import socket
+
+  server = socket.socket()
+  server.bind(("127.0.0.1", 0))
+  server.listen(64)
+  spec = {
+    "driver": "s3",
+    "bucket": "ucp-bucket",
+    "path": "ckpt",
+    "endpoint": f"http://127.0.0.1:{server.getsockname()[1]}",
+    "aws_region": "us-east-1",
+  }
+  return server, json.dumps(spec)
+
+
+def _ucp(args, **env):
+  environ = {**os.environ, "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y", **env}
+  return subprocess.Popen(
+    [sys.executable, "-m", "ucp_jax._cli", *args],
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+    env=environ,
+  )
+
+
+def test_an_unanswering_store_is_an_error_within_the_timeout():
+  server, spec = _silent_endpoint()
+  with server:
+    proc = _ucp(["inspect", spec], UCP_STORE_TIMEOUT_S="2")
+    out, err = proc.communicate(timeout=60)
+  ours = [line for line in err.splitlines() if not line.startswith("E")]  # not the AWS log
+  assert proc.returncode == 2, err
+  assert ours == [
+    "error: s3://ucp-bucket/ckpt: reading manifest.json: no answer within 2 s (no network, a "
+    "wrong endpoint, or missing credentials?); set UCP_STORE_TIMEOUT_S to wait longer"
+  ]
+
+
+def test_ctrl_c_stops_a_wait_on_a_store():
+  server, spec = _silent_endpoint()
+  with server:
+    proc = _ucp(["inspect", spec], UCP_STORE_TIMEOUT_S="600")
+    threading.Event().wait(3)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+  assert proc.returncode == 130, err
+  assert "Traceback" not in err

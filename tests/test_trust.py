@@ -5,6 +5,7 @@ TensorStore), zstd chunks (read through TensorStore) and `memory://` (an object
 store), through `restore`, `open().read`, a rule-set view and `verify`.
 """
 
+import errno
 import itertools
 import json
 import os
@@ -90,7 +91,9 @@ def test_a_chunk_of_another_array_is_an_error(saved):
 
 
 def test_a_chunk_of_another_save_is_an_error(saved, tmp_path):
-  other = f"memory://ucp_trust_other_{next(_ids)}" if "memory" in str(saved.path) else tmp_path / "o"
+  other = (
+    f"memory://ucp_trust_other_{next(_ids)}" if "memory" in str(saved.path) else tmp_path / "o"
+  )
   compression = ucp_jax.open(saved.path)["a"].compression
   ucp_jax.save(other, {"a": A + 1, "b": B}, chunk_bytes=64, compression=compression)
   saved.put("a/c/3/0", _Chunks(other).get("a/c/3/0"))
@@ -162,7 +165,12 @@ def test_a_key_below_another_array_is_refused(tmp_path):
 def test_leaf_names_the_store_uses_itself_are_escaped(tmp_path):
   tree = {"manifest.json": np.ones(2), "zarr.json": {"x": np.zeros(1)}, "..": 1, "c": {"c": 2.0}}
   ucp_jax.save(tmp_path / "c", tree)
-  assert ucp_jax.open(tmp_path / "c").keys() == ["%2E%2E", "%6Danifest.json", "%7Aarr.json/x", "c/c"]
+  assert ucp_jax.open(tmp_path / "c").keys() == [
+    "%2E%2E",
+    "%6Danifest.json",
+    "%7Aarr.json/x",
+    "c/c",
+  ]
   out = ucp_jax.restore(tmp_path / "c")
   assert out[".."] == 1 and out["c"] == {"c": 2.0}
   np.testing.assert_array_equal(out["manifest.json"], np.ones(2))
@@ -188,3 +196,47 @@ def test_bad_options_are_refused_before_anything_is_written(tmp_path, options, m
     with pytest.raises(ucp_jax.InvalidArgumentError, match=match):
       save(tmp_path / "c", {"a": np.ones(2)}, **options)
   assert os.listdir(tmp_path) == []
+
+
+# --- storage failures ---
+
+
+@pytest.mark.parametrize(
+  ("error", "advice"),
+  [
+    (errno.ENOSPC, "no space left on the device: free some or save elsewhere"),
+    (errno.EACCES, "permission denied: check who may write there"),
+    (errno.EROFS, "the file system is read-only: save elsewhere"),
+  ],
+)
+def test_a_failing_disk_is_a_storage_error_and_loses_nothing(tmp_path, monkeypatch, error, advice):
+  path = tmp_path / "ckpt"
+  ucp_jax.save(path, {"a": A})
+
+  def refuse(fd, buffers):
+    raise OSError(error, os.strerror(error))
+
+  monkeypatch.setattr(os, "writev", refuse)
+  with pytest.raises(ucp_jax.StorageError) as e:
+    ucp_jax.save(path, {"a": B}, overwrite=True)
+  message = str(e.value)
+  assert message.startswith(f"{path}: writing shards: {advice} (")
+  assert "/a/c/0" in message and message.endswith("is intact.")
+  assert isinstance(e.value, OSError) and e.value.errno == error
+  monkeypatch.undo()
+  np.testing.assert_array_equal(ucp_jax.restore(path)["a"], A)
+  assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_an_unreadable_chunk_is_a_storage_error(tmp_path, monkeypatch):
+  ucp_jax.save(tmp_path / "ckpt", {"a": A})
+  real = open
+
+  def failing_open(file, *args, **kwargs):
+    if "/c/" in str(file):
+      raise PermissionError(errno.EACCES, "Permission denied", str(file))
+    return real(file, *args, **kwargs)
+
+  monkeypatch.setattr("builtins.open", failing_open)
+  with pytest.raises(ucp_jax.StorageError, match=r"ckpt/a/c/0/0: `a`: cannot read the chunk"):
+    ucp_jax.restore(tmp_path / "ckpt")

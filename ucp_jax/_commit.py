@@ -31,6 +31,7 @@ import time
 from ucp_jax import _errors, _manifest, _store
 
 _LOCK_KEY = ".ucp-lock"
+_EXIT_GRACE_S = 5.0  # how long a dead holder's last threads may take to release its flock
 _GENERATION = re.compile(r"^g[0-9a-f]{16}/")
 
 
@@ -116,13 +117,18 @@ class Lock:
       self._acquire_kvstore()
       return
     os.makedirs(os.path.dirname(self._path), exist_ok=True)
-    for _ in range(100):
+    deadline = time.monotonic() + _EXIT_GRACE_S
+    for _ in range(1000):
       fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
       try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
       except BlockingIOError:
         os.close(fd)
-        raise _errors.ConcurrentWriteError(self._busy_message(_read_text(self._path))) from None
+        holder = _read_text(self._path)
+        if _dead_holder(holder) and time.monotonic() < deadline:
+          time.sleep(0.02)  # its threads are still exiting: the kernel drops the flock then
+          continue
+        raise _errors.ConcurrentWriteError(self._busy_message(holder)) from None
       if not _same_file(fd, self._path):  # the holder released (unlinked) it meanwhile: retry
         os.close(fd)
         continue
