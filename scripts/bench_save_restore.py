@@ -724,7 +724,10 @@ def main(argv=None) -> int:
   ap.add_argument("--arrays", type=int, default=16, help="number of arrays (16)")
   ap.add_argument("--repeat", type=int, default=1, help="timed tries per phase, best kept (1)")
   ap.add_argument(
-    "--rounds", type=int, default=1, help="runs of every contender, interleaved; medians of all tries (1)"
+    "--rounds",
+    type=int,
+    default=1,
+    help="runs of every contender, interleaved; medians of all tries (1)",
   )
   ap.add_argument("--dir", default=None, help="where checkpoints go (a temp dir under /tmp)")
   ap.add_argument("--json", default=None, help="write all numbers to this file")

@@ -308,7 +308,7 @@ def test_an_unanswering_store_is_an_error_within_the_timeout():
   server, spec = _silent_endpoint()
   with server:
     proc = _ucp(["inspect", spec], UCP_STORE_TIMEOUT_S="2")
-    out, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=60)
   ours = [line for line in err.splitlines() if not line.startswith("E")]  # not the AWS log
   assert proc.returncode == 2, err
   assert ours == [
@@ -323,6 +323,6 @@ def test_ctrl_c_stops_a_wait_on_a_store():
     proc = _ucp(["inspect", spec], UCP_STORE_TIMEOUT_S="600")
     threading.Event().wait(3)
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=30)
+    _, err = proc.communicate(timeout=30)
   assert proc.returncode == 130, err
   assert "Traceback" not in err
