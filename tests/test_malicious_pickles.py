@@ -8,6 +8,7 @@ control test shows that plain `pickle.loads` does run the live payloads, so the 
 
 from __future__ import annotations
 
+import collections
 import copyreg
 import functools
 import os
@@ -17,10 +18,11 @@ import shlex
 import subprocess
 import zipfile
 
+import hostile_corpus as corpus
 import numpy as np
 import pytest
 
-from ucp_jax import _torch_pickle
+from ucp_jax import _pickle_limits, _torch_pickle
 from ucp_jax._errors import SourceFormatError, UnsafePickleError
 from ucp_jax._torch_file import InertGlobal, InertObject, load
 
@@ -336,3 +338,137 @@ def test_storage_keys_only_name_zip_entries(tmp_path):
     SourceFormatError, match=r"entry 'archive/data/\.\./\.\./etc/passwd' is missing"
   ):
     load(path)
+
+
+# numpy values: built from checked plain fields, never by numpy's __setstate__ on pickle state.
+
+
+@pytest.mark.parametrize(
+  ("fragment", "message"),
+  [
+    (corpus.forged_object_dtype(), r"numpy\.dtype\('O8'"),
+    (
+      corpus.forged_dtype_flags(),
+      r"numpy dtype BUILD state \(3, '<', None, None, None, -1, -1, 63\)",
+    ),
+    (corpus.forged_array_state(), r"numpy array of shape \(2,\) and float64 from 8 bytes"),
+    (b"cnumpy\ndtype\n(VV8\nI00\nI01\ntR", r"numpy\.dtype\('V8'"),
+    (b"cnumpy\ndtype\n(Vf8\nI01\nI01\ntR", r"numpy\.dtype\('f8', align=True\)"),
+    (b"cnumpy\ndtype\n(Vf16\nI00\nI01\ntR", r"numpy\.dtype\('f16'\) is float128"),
+    (b"cnumpy\ndtype\n(Vf8\nI00\nI01\ntR(I3\nV|\nNNNI-1\nI-1\nI0\ntb", r"BUILD state"),
+    (b"cnumpy\ndtype\n(Vf8\nI00\nI01\ntR(I3\nV<\nNNNI8\nI8\nI0\ntb", r"BUILD state"),
+    (b"cnumpy._core.multiarray\nscalar\n(cevil\nThing\n)RC\x01atR", r"numpy scalar of"),
+  ],
+  ids=[
+    "object",
+    "flags",
+    "short array",
+    "void",
+    "aligned",
+    "longdouble",
+    "order",
+    "sizes",
+    "inert",
+  ],
+)
+def test_forged_numpy_values_are_refused(fragment, message):
+  with pytest.raises(SourceFormatError, match=r"^p\.pkl: .*" + message):
+    _torch_pickle.loads(corpus.pickled(fragment), source="p.pkl")
+
+
+@pytest.mark.parametrize("protocol", [2, 4, 5])
+def test_plain_numpy_values_are_read(protocol):
+  values = [np.arange(6).astype(d).reshape(2, 3) for d in ("b1", "i1", "u2", "i4", "u8", "f2")]
+  values += [np.asfortranarray(np.arange(6.0).reshape(2, 3)), np.arange(3, dtype=">f4")]
+  values += [np.arange(4, dtype=np.complex64), np.zeros((0, 3)), np.array(2.5)]
+  values += [np.float32(1.5), np.int64(-7), np.bool_(True), np.complex128(1 - 2j)]
+  values += [np.dtype("f4"), np.dtype(">i8"), np.dtype("u1")]
+  out = _torch_pickle.loads(pickle.dumps(values, protocol=protocol), source="p.pkl")
+  for got, want in zip(out, values, strict=True):
+    assert type(got) is type(want) and got == want if isinstance(want, np.generic | np.dtype) else 1
+    if isinstance(want, np.ndarray):
+      np.testing.assert_array_equal(got, want)
+      assert got.shape == want.shape  # byte order: numpy's own unpickling may make it native
+      assert got.dtype.newbyteorder("=") == want.dtype.newbyteorder("=")
+      assert got.flags.f_contiguous == want.flags.f_contiguous
+
+
+def test_numpy_values_of_other_dtypes_are_refused():
+  for value in (np.array(["a"]), np.array([object()]), np.zeros(2, [("a", "f4")]), np.str_("x")):
+    with pytest.raises(SourceFormatError, match="plain numeric dtypes"):
+      _torch_pickle.loads(pickle.dumps(value, protocol=2), source="p.pkl")
+
+
+# Records and containers.
+
+
+def test_ordered_dict_attributes_cannot_hide_its_methods():
+  for name in ("get", "items", "keys", "__class__", "__dict__", "move_to_end"):
+    data = corpus.pickled(corpus.call(corpus.glob("collections", "OrderedDict")))
+    data = data[:-1] + b"}" + corpus.text(name) + b"I5\nsb."
+    with pytest.raises(SourceFormatError, match="is not a dict of new attribute names"):
+      _torch_pickle.loads(data, source="p.pkl")
+  od = collections.OrderedDict(a=1)
+  od._metadata = {"": {"version": 1}}
+  out = _torch_pickle.loads(pickle.dumps(od, protocol=2), source="p.pkl")
+  assert out == od and out._metadata == od._metadata
+
+
+def test_records_hash_by_name_and_arguments():
+  enum_key = b"}cpkg\nStage\n(I2\ntRI7\ns."  # {Stage(2): 7}
+  out = _torch_pickle.loads(enum_key, source="p.pkl")
+  (key,) = out
+  assert key == InertObject("pkg.Stage", args=(2,)) and out[key] == 7
+  key = InertObject("a.B", args=(1,))
+  object.__setattr__(key, "state", {"x": [1]})  # BUILD later: the hash is unchanged
+  assert hash(key) == hash(InertObject("a.B", args=(1,)))
+
+
+@pytest.mark.parametrize(
+  ("fragment", "message"),
+  [
+    (corpus.set_of_range(), "set of a range, not of a list or tuple"),
+    (b"cbuiltins\nfrozenset\n(cbuiltins\nrange\n(I9\ntRtR", "frozenset of a range"),
+    (b"ccollections\nOrderedDict\n(cbuiltins\nrange\n(I9\ntRtR", "OrderedDict of a range"),
+    (b"ccollections\nOrderedDict\n((I1\nttR", "not \\(key, value\\) pairs"),
+    (b"ccollections\ndefaultdict\n(N(dtR", "defaultdict with initial items"),
+    (b"cbuiltins\nslice\n((ltR", "slice\\(\\[\\],\\)"),
+    (corpus.cycle(), "a container holds itself"),
+    (b"(I1\nI2\nI3\nd", "DICT with an odd number of items"),
+  ],
+)
+def test_containers_take_only_what_they_can_hold(fragment, message):
+  with pytest.raises(SourceFormatError, match=message):
+    _torch_pickle.loads(corpus.pickled(fragment), source="p.pkl")
+
+
+# Limits (ucp_jax._pickle_limits), each met by a pickle just past it.
+
+
+@pytest.mark.parametrize(
+  ("limit", "value", "fragment"),
+  [
+    ("MAX_DEPTH", 10, b"N" + b"\x85" * 11),  # tuples: checked as they are made
+    ("MAX_DEPTH", 10, b"]" * 11 + b"a" * 10),  # lists: checked on the finished tree
+    ("MAX_TREE_NODES", 1000, b"]" + b"(" + b"N" * 1000 + b"e"),
+    ("MAX_TREE_NODES", 1000, b"N" + b"q\x00h\x00\x86" * 10),  # a tuple DAG of 2**10 leaves
+    ("MAX_STEPS", 1000, b"]" + b"N0" * 500),
+    ("MAX_STEPS", 1000, b"}" + b"N" + b"q\x00h\x00\x86" * 8 + b"q\x010" + b"h\x01Ns" * 8),
+    ("MAX_MEMO", 100, b"N" + b"".join(b"r" + i.to_bytes(4, "little") for i in range(101))),
+    ("MAX_PICKLE_BYTES", 100, b"N" * 100),
+  ],
+  ids=["tuples", "lists", "list", "tuple dag", "opcodes", "hashing", "memo", "bytes"],
+)
+def test_limits(limit, value, fragment, monkeypatch):
+  data = corpus.pickled(fragment)
+  _torch_pickle.loads(data, source="p.pkl")  # within the default limits
+  monkeypatch.setattr(_pickle_limits, limit, value)
+  with pytest.raises(SourceFormatError, match=rf"^p\.pkl: .*\({limit}\)"):
+    _torch_pickle.loads(data, source="p.pkl")
+
+
+def test_shared_subtrees_count_once_per_reference():
+  shared = list(range(10))
+  tree = {"a": [shared] * 50, "b": (shared, shared)}
+  assert _torch_pickle.loads(pickle.dumps(tree, protocol=2), source="p.pkl") == tree
+  _pickle_limits.check_tree(tree, "t")

@@ -8,12 +8,15 @@ import dataclasses
 import enum
 import io
 import mmap
+import os
 import zipfile
 
+import hostile_corpus as corpus
 import ml_dtypes
 import numpy as np
 import pytest
 
+from ucp_jax import _pickle_limits, _torch_file, _torch_zip
 from ucp_jax._errors import SourceFormatError
 from ucp_jax._torch_file import InertObject, TorchDtype, load
 
@@ -328,3 +331,72 @@ def test_truncated_storage_is_named(torch, tmp_path):
   message = r"short\.pt: storage 'foo/data/0' holds 12 bytes, but the pickle needs 24 \(6 x torch\.float32\)"
   with pytest.raises(SourceFormatError, match=message):
     load(_rewrite(path, tmp_path / "short.pt", halve))
+
+
+# Forged containers: each refused with one error naming the file, in bounded time and memory.
+
+
+def _small(tmp_path, name="t.pt", storages=None, data=None):
+  path = tmp_path / name
+  fragment = corpus.tensor("0", 4, 0, (4,), (1,)) if data is None else data
+  path.write_bytes(corpus.torch_zip(corpus.pickled(fragment), storages or {"0": bytes(16)}))
+  return path
+
+
+def test_only_regular_files_are_opened(tmp_path):
+  fifo = tmp_path / "fifo.pt"
+  os.mkfifo(fifo)
+  (tmp_path / "dir.pt").mkdir()
+  (tmp_path / "zero.pt").symlink_to("/dev/zero")
+  for name, kind in [("fifo", "FIFO"), ("dir", "directory"), ("zero", "character device")]:
+    with pytest.raises(SourceFormatError, match=rf"{name}\.pt: a {kind}.*not a regular file"):
+      load(tmp_path / f"{name}.pt")
+  (tmp_path / "link.pt").symlink_to(_small(tmp_path))
+  np.testing.assert_array_equal(load(tmp_path / "link.pt"), np.zeros(4, np.float32))
+
+
+@pytest.mark.parametrize(
+  ("forge", "message"),
+  [
+    (lambda d: corpus.encrypted(d, "archive/data.pkl"), r"'archive/data\.pkl' is encrypted"),
+    (lambda d: corpus.stored_past_end(d, "archive/data/0"), r"'archive/data/0' claims .* past"),
+    (lambda d: corpus.bzip2_member(), r"uses compression method 12"),
+    (lambda d: corpus.deflate_bomb_claimed(), r"'archive/data/0' claims to inflate 5 bytes"),
+    (lambda d: corpus.deflate_bomb_hidden(), r"'archive/data\.pkl' is corrupt \(BadZipFile"),
+    (lambda d: d[: len(d) // 2], r"truncated or corrupt zip file"),
+    (lambda d: d[:-30] + bytes(30), r"truncated or corrupt zip file"),
+  ],
+  ids=["encrypted", "past the end", "bzip2", "deflate ratio", "inflates past", "cut", "no eocd"],
+)
+def test_forged_zip_entries(forge, message, tmp_path):
+  path = _small(tmp_path)
+  path.write_bytes(forge(path.read_bytes()))
+  with pytest.raises(SourceFormatError, match=r"t\.pt: .*" + message):
+    load(path)
+
+
+@pytest.mark.parametrize("mmap_", [True, False])
+def test_deflated_entries_read_into_memory_are_bounded(mmap_, tmp_path, monkeypatch):
+  path = _small(tmp_path, storages={"0": bytes(4096)}, data=corpus.tensor("0", 4, 0, (4,), (1,)))
+  _rewrite(path, tmp_path / "d.pt", compression=zipfile.ZIP_DEFLATED)
+  np.testing.assert_array_equal(load(tmp_path / "d.pt", mmap=mmap_), np.zeros(4, np.float32))
+  monkeypatch.setattr(_torch_zip, "MAX_INFLATED_BYTES", 1024)
+  with pytest.raises(SourceFormatError, match=r"'archive/data/0' holds 4096 bytes, more than"):
+    load(tmp_path / "d.pt", mmap=mmap_)
+  monkeypatch.setattr(_pickle_limits, "MAX_PICKLE_BYTES", 10)
+  with pytest.raises(SourceFormatError, match=r"'archive/data\.pkl' holds \d+ bytes, more than"):
+    load(path, mmap=mmap_)
+
+
+def test_repeated_elements_are_bounded(tmp_path, monkeypatch):
+  expanded = corpus.tensor("0", 4, 0, (1000, 4), (0, 1))  # 16 bytes read as 16000
+  path = _small(tmp_path, data=expanded)
+  assert load(path).shape == (1000, 4)
+  monkeypatch.setattr(_torch_file, "MAX_BROADCAST_BYTES", 15_000)
+  with pytest.raises(SourceFormatError, match=r"repeats its 4 elements to 4000.*MAX_BROADCAST"):
+    load(path)
+  overlapping = corpus.tensor("0", 4, 0, (2, 3), (1, 1))  # 6 elements from 4
+  assert load(_small(tmp_path, "o.pt", data=overlapping)).shape == (2, 3)
+  many_dims = corpus.tensor("0", 4, 0, (1,) * 65, (1,) * 65)
+  with pytest.raises(SourceFormatError, match=r"disagree"):
+    load(_small(tmp_path, "d.pt", data=many_dims))

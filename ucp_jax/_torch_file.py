@@ -20,22 +20,27 @@ A tensor's array is a view of its storage, itself a view of a read-only `mmap` o
 nothing is copied, tensors that share a storage share memory, and the map lives as long as any
 array does. Compressed entries and ``mmap=False`` read bytes instead, and a big-endian file is
 swapped into copies. Mapped bytes are not CRC-checked.
+
+A forged file gets a `SourceFormatError` naming it, within bounded time and memory: the zip
+container is opened by `_torch_zip` (regular files only, checked entries), every storage must
+hold the bytes its persistent id declares, every tensor must lie inside its storage, and the
+tensors of a file whose strides repeat elements (``expand``) may add at most
+`MAX_BROADCAST_BYTES` of logical size beyond their storages. The pickle's limits are in
+`_pickle_limits`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-import mmap as mmap_lib
 import os
-import struct
-import zipfile
-from typing import Any, BinaryIO
+from typing import Any
 
 import ml_dtypes
 import numpy as np
 
-from ucp_jax import _torch_pickle
+from ucp_jax import _pickle_limits, _torch_pickle, _torch_zip
 from ucp_jax._errors import SourceFormatError
 from ucp_jax._torch_pickle import Allowed
 from ucp_jax._torch_pickle import InertGlobal as InertGlobal
@@ -76,8 +81,9 @@ _STORAGE_TYPES = {
   "UntypedStorage": None,
   "TypedStorage": None,
 }
-_LEGACY_MAGIC = b"\x80\x02\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
-_LOCAL_HEADER = struct.Struct("<4s22xHH")
+MAX_BROADCAST_BYTES = 256 << 20
+"""Logical bytes that the tensors of one file may add beyond their storages by repeating
+elements (zero or overlapping strides, as ``expand`` makes): a few bytes may not claim terabytes."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,117 +139,37 @@ def load(path: str | os.PathLike, *, mmap: bool = True) -> Any:
     `InertObject` records for other classes.
 
   Raises:
-    SourceFormatError: not a torch zip file (legacy, truncated, missing entries, ...).
+    SourceFormatError: not a regular file, not a torch zip file (legacy, truncated, missing
+      entries, ...), or past a limit of this module or of `_pickle_limits`.
     UnsafePickleError: the pickle asks for something that can run code.
+    OSError: the file cannot be opened or read.
   """
   path = os.fspath(path)
-  with open(path, "rb") as f:
-    archive = _Archive(path, f, mmap)
-    data = archive.read(archive.entry("data.pkl"))
-    tensors = _Tensors(path, archive.storage)
+  with _torch_zip.open_regular(path) as f:
+    archive = _torch_zip.Archive(path, f, mmap)
+    data = archive.read(archive.entry("data.pkl"), _pickle_limits.MAX_PICKLE_BYTES)
+    tensors = _Tensors(path, functools.partial(_storage, archive))
     return _torch_pickle.loads(
       data, source=path, extra_globals=tensors.globals(), persistent_load=tensors.persistent_load
     )
 
 
-def _open_zip(path: str, f: BinaryIO) -> zipfile.ZipFile:
-  head = f.read(512)
-  f.seek(0)
-  if head.startswith(_LEGACY_MAGIC) or head[257:262] == b"ustar":
+def _storage(
+  archive: _torch_zip.Archive, key: str, dtype: TorchDtype | None, numel: int
+) -> TorchStorage:
+  """Maps storage `key` (`numel` elements of `dtype`, untyped bytes if None) as an array."""
+  info = archive.entry(f"data/{key}")
+  np_dtype = np.dtype(np.uint8) if dtype is None else dtype.numpy_dtype
+  nbytes = numel * np_dtype.itemsize
+  if info.file_size < nbytes:
     raise SourceFormatError(
-      f"{path}: legacy torch format (torch.save before 1.6, or with "
-      "_use_new_zipfile_serialization=False), which the safe reader does not read. Re-save it "
-      "with torch>=1.6: torch.save(torch.load(old, weights_only=True), new)."
+      f"{archive.path}: storage {info.filename!r} holds {info.file_size} bytes, but the pickle "
+      f"needs {nbytes} ({numel} x {dtype or 'byte'}): the file is truncated or corrupt"
     )
-  try:
-    return zipfile.ZipFile(f)
-  except (zipfile.BadZipFile, OSError) as e:
-    if head.startswith(b"PK\x03\x04"):
-      raise SourceFormatError(f"{path}: truncated or corrupt zip file ({e})") from e
-    raise SourceFormatError(
-      f"{path}: not a torch file: neither a zip nor a legacy torch file"
-    ) from e
-
-
-def _find_root(path: str, zf: zipfile.ZipFile) -> str:
-  names = set(zf.namelist())
-  roots = sorted(
-    name[: -len("/data.pkl")]
-    for name in names
-    if name.count("/") == 1 and name.endswith("/data.pkl")
-  )
-  if len(roots) != 1:
-    raise SourceFormatError(
-      f"{path}: no single <root>/data.pkl entry (found {roots}): not a torch.save file"
-    )
-  if f"{roots[0]}/constants.pkl" in names:
-    raise SourceFormatError(
-      f"{path}: a TorchScript archive (torch.jit.save); save a state_dict instead"
-    )
-  return roots[0]
-
-
-class _Archive:
-  """An open torch zip file: its entries, byte order and storage bytes."""
-
-  def __init__(self, path: str, f: BinaryIO, use_mmap: bool) -> None:
-    self._path = path
-    self._zip = _open_zip(path, f)
-    self._root = _find_root(path, self._zip)
-    self._map = mmap_lib.mmap(f.fileno(), 0, access=mmap_lib.ACCESS_READ) if use_mmap else None
-    order = self.read(self.entry("byteorder")) if self.has("byteorder") else b"little"
-    if order not in (b"little", b"big"):
-      raise SourceFormatError(f"{path}: byteorder entry is {order[:20]!r}, not little or big")
-    self._big_endian = order == b"big"
-
-  def has(self, name: str) -> bool:
-    return f"{self._root}/{name}" in self._zip.NameToInfo
-
-  def entry(self, name: str) -> zipfile.ZipInfo:
-    full = f"{self._root}/{name}"
-    try:
-      return self._zip.getinfo(full)
-    except KeyError:
-      raise SourceFormatError(
-        f"{self._path}: entry {full!r} is missing: truncated or not written by torch.save"
-      ) from None
-
-  def read(self, info: zipfile.ZipInfo) -> bytes:
-    try:
-      return self._zip.read(info)
-    except (zipfile.BadZipFile, OSError, EOFError) as e:
-      raise SourceFormatError(f"{self._path}: entry {info.filename!r} is corrupt ({e})") from e
-
-  def storage(self, key: str, dtype: TorchDtype | None, numel: int) -> TorchStorage:
-    """Maps storage `key` (`numel` elements of `dtype`, untyped bytes if None) as an array."""
-    info = self.entry(f"data/{key}")
-    np_dtype = np.dtype(np.uint8) if dtype is None else dtype.numpy_dtype
-    nbytes = numel * np_dtype.itemsize
-    if info.file_size < nbytes:
-      raise SourceFormatError(
-        f"{self._path}: storage {info.filename!r} holds {info.file_size} bytes, but the pickle "
-        f"needs {nbytes} ({numel} x {dtype or 'byte'}): the file is truncated or corrupt"
-      )
-    data = self._bytes(info, nbytes)[:nbytes].view(np_dtype)
-    if self._big_endian and dtype is not None and np_dtype.itemsize > 1:
-      data = _readonly(data.byteswap())
-    return TorchStorage(info.filename, dtype, data, self._big_endian and dtype is None)
-
-  def _bytes(self, info: zipfile.ZipInfo, nbytes: int) -> np.ndarray:
-    if self._map is None or info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 1:
-      return np.frombuffer(self.read(info), np.uint8)
-    header = self._map[info.header_offset : info.header_offset + _LOCAL_HEADER.size]
-    if len(header) < _LOCAL_HEADER.size or _LOCAL_HEADER.unpack(header)[0] != b"PK\x03\x04":
-      raise SourceFormatError(f"{self._path}: entry {info.filename!r} has a corrupt zip header")
-    _, name_len, extra_len = _LOCAL_HEADER.unpack(header)
-    start = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
-    if start + nbytes > len(self._map):
-      raise SourceFormatError(
-        f"{self._path}: storage {info.filename!r} runs past the end of the file"
-      )
-    if nbytes == 0:
-      return _readonly(np.empty(0, np.uint8))
-    return np.frombuffer(self._map, np.uint8, nbytes, start)
+  data = archive.payload(info, nbytes)[:nbytes].view(np_dtype)
+  if archive.big_endian and dtype is not None and np_dtype.itemsize > 1:
+    data = _readonly(data.byteswap())
+  return TorchStorage(info.filename, dtype, data, archive.big_endian and dtype is None)
 
 
 def _readonly(array: np.ndarray) -> np.ndarray:
@@ -267,6 +193,7 @@ class _Tensors:
     self._load_storage = load_storage
     self._storages: dict[str, TorchStorage] = {}
     self._views: dict[tuple[str, str], np.ndarray] = {}
+    self._broadcast = 0  # logical bytes of repeated elements so far (MAX_BROADCAST_BYTES)
 
   def globals(self) -> dict[tuple[str, str], Any]:
     names = {
@@ -326,7 +253,7 @@ class _Tensors:
     data = self._typed(storage, dtype)
     size = _int_tuple(self._path, size, "size")
     stride = _int_tuple(self._path, stride, "stride")
-    if type(offset) is not int or offset < 0 or len(size) != len(stride):
+    if type(offset) is not int or offset < 0 or len(size) != len(stride) or len(size) > 64:
       raise self._bad(f"tensor offset {offset!r:.40}, size {size} and stride {stride} disagree")
     numel = math.prod(size)
     end = offset + 1 + sum((n - 1) * s for n, s in zip(size, stride, strict=True))
@@ -335,6 +262,14 @@ class _Tensors:
         f"storage {storage.name!r} holds {data.size} elements of {data.dtype}, but a tensor on it "
         f"(offset {offset}, size {size}, stride {stride}) reads up to element {end}: truncated?"
       )
+    if numel > end - offset:  # zero or overlapping strides repeat elements
+      self._broadcast += (numel - (end - offset)) * data.itemsize
+      if self._broadcast > MAX_BROADCAST_BYTES:
+        raise self._bad(
+          f"a tensor on storage {storage.name!r} (size {size}, stride {stride}) repeats its "
+          f"{end - offset} elements to {numel}: the file's tensors claim more than "
+          f"MAX_BROADCAST_BYTES ({MAX_BROADCAST_BYTES}) beyond their storages"
+        )
     contiguous = tuple(math.prod(size[i + 1 :]) for i in range(len(size)))
     if stride == contiguous or not numel:
       return data[offset : offset + numel].reshape(size)

@@ -6,8 +6,8 @@ Three kinds of global, from most to least trusted:
 
 * **Allowed** (an explicit list; each is a wrapper written here or in `_torch_file` that checks its
   arguments): `collections.OrderedDict`, `collections.defaultdict` (read as a plain dict),
-  `builtins.set`, `frozenset`, `complex`, `slice`, `range`, `bytearray`, `_codecs.encode` (text to
-  bytes: how pickle protocol 2 stores bytes), numpy's `_reconstruct`, `scalar`, `dtype` and
+  `builtins.set`, `frozenset`, `complex`, `slice`, `range`, `bytearray`, `bytes`, `_codecs.encode`
+  (text to bytes: how pickle protocol 2 stores bytes), numpy's `_reconstruct`, `scalar`, `dtype` and
   `_frombuffer` (under `numpy.core` or `numpy._core`), `copyreg._reconstructor` of an inert class,
   and the torch names that the caller adds (see `_torch_file`).
 * **Refused** with `UnsafePickleError` as soon as the pickle names them: globals whose only use in a
@@ -22,14 +22,16 @@ Three kinds of global, from most to least trusted:
   arguments; BUILD, SETITEMS and APPENDS on the record store its state and items. An enum member
   comes out as ``InertObject("pkg.Enum", args=(value,))``.
 
-Python 2 names (``__builtin__``, ``copy_reg``) are read as their Python 3 names first.
+Python 2 names (``__builtin__``, ``copy_reg``) are read as their Python 3 names first. numpy
+values are built from checked plain fields, never by numpy's ``__setstate__`` on the pickle's
+state (`_pickle_numpy`). What a pickle may ask for (size, objects, memo, nesting, the expanded
+size of its tree) is bounded by `_pickle_limits`, and a finished tree has no cycles.
 """
 
 from __future__ import annotations
 
 import _compat_pickle
 import collections
-import dataclasses
 import io
 import pickle
 from collections.abc import Callable, Mapping
@@ -37,7 +39,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ucp_jax._errors import SourceFormatError, UcpError, UnsafePickleError
+from ucp_jax import _pickle_limits as limits
+from ucp_jax import _pickle_numpy
+from ucp_jax._errors import SourceFormatError, UcpError
+from ucp_jax._pickle_records import NDARRAY, Allowed, InertGlobal, InertObject, call, unsafe
 
 _REFUSED_MODULES = frozenset(
   {"os", "posix", "nt", "subprocess", "_posixsubprocess", "sys", "importlib", "runpy", "pickle"}
@@ -59,6 +64,7 @@ _BUILTIN_GLOBALS = {
   ("builtins", "slice"): "_slice",
   ("builtins", "range"): "_range",
   ("builtins", "bytearray"): "_bytearray",
+  ("builtins", "bytes"): "_bytes",
   ("_codecs", "encode"): "_encode",
   ("copyreg", "_reconstructor"): "_reconstructor",
   ("numpy", "dtype"): "_np_dtype",
@@ -67,61 +73,6 @@ for _numpy in ("numpy.core", "numpy._core"):
   _BUILTIN_GLOBALS[(f"{_numpy}.multiarray", "_reconstruct")] = "_np_reconstruct"
   _BUILTIN_GLOBALS[(f"{_numpy}.multiarray", "scalar")] = "_np_scalar"
   _BUILTIN_GLOBALS[(f"{_numpy}.numeric", "_frombuffer")] = "_np_frombuffer"
-
-
-@dataclasses.dataclass(frozen=True)
-class InertGlobal:
-  """A class or function that the pickle names and the reader never imports or calls."""
-
-  qualname: str
-
-
-@dataclasses.dataclass(frozen=True)
-class InertObject:
-  """What a pickle said about an object of a class the reader does not call, kept as data.
-
-  Attributes:
-    qualname: ``module.qualname`` of the class (or of the function the pickle called).
-    args: the positional arguments of the call; ``(value,)`` for an enum member.
-    kwargs: the keyword arguments (NEWOBJ_EX only), else None.
-    state: what the pickle passed to ``__setstate__`` (BUILD): usually the instance ``__dict__``,
-      or a ``(__dict__, slots)`` pair; None if there was no BUILD.
-    listitems: items appended to it (a list subclass), else None.
-    dictitems: items set on it (a dict subclass), else None.
-  """
-
-  qualname: str
-  args: tuple = ()
-  kwargs: dict | None = None
-  state: Any = None
-  listitems: list | None = None
-  dictitems: dict | None = None
-
-  def get(self, name: str, default: Any = None) -> Any:
-    """Returns attribute `name` from the recorded state, or `default`."""
-    parts = self.state if isinstance(self.state, tuple) else (self.state,)
-    for part in parts:
-      if isinstance(part, dict) and name in part:
-        return part[name]
-    return default
-
-  @property
-  def value(self) -> Any:
-    """The single constructor argument: an enum member's value."""
-    if len(self.args) != 1:
-      raise AttributeError(f"{self.qualname} record has {len(self.args)} arguments, not one value")
-    return self.args[0]
-
-
-@dataclasses.dataclass(frozen=True)
-class Allowed:
-  """An allowed global: the pickle may call `fn` (which must check its own arguments)."""
-
-  qualname: str
-  fn: Callable[..., Any]
-
-
-_NDARRAY = InertGlobal("numpy.ndarray")
 
 
 def loads(
@@ -145,34 +96,19 @@ def loads(
 
   Raises:
     UnsafePickleError: the pickle asks for something that can run code.
-    SourceFormatError: the pickle is malformed.
+    SourceFormatError: the pickle is malformed, or goes past a limit of `_pickle_limits`.
   """
+  if len(data) > limits.MAX_PICKLE_BYTES:
+    raise limits.exceeded(source, "the pickle's size", limits.MAX_PICKLE_BYTES, "MAX_PICKLE_BYTES")
   unpickler = _SafeUnpickler(data, source, extra_globals or {}, persistent_load)
   try:
-    return unpickler.load()
+    tree = unpickler.load()
   except UcpError:
     raise
   except Exception as e:
-    raise SourceFormatError(f"{source}: not a valid pickle ({type(e).__name__}: {e})") from e
-
-
-def call(func: Any, args: Any, *, source: str, kwargs: Any = None) -> Any:
-  """Calls what the pickle calls: an `Allowed` global runs, an `InertGlobal` gives a record."""
-  if not isinstance(args, tuple) or not isinstance(kwargs, dict | None):
-    raise SourceFormatError(f"{source}: call arguments are a {type(args).__name__}, not a tuple")
-  if isinstance(func, InertGlobal):
-    return InertObject(func.qualname, args, kwargs=kwargs)
-  if isinstance(func, Allowed):
-    return func.fn(*args, **(kwargs or {}))
-  raise unsafe(source, f"it calls an object of type {type(func).__name__}, not an allowed global")
-
-
-def unsafe(source: str, what: str) -> UnsafePickleError:
-  """The error for a pickle that asks for `what`."""
-  return UnsafePickleError(
-    f"{source}: refusing to unpickle: {what}. The safe reader only builds data; load the file "
-    "with torch.load(..., weights_only=False) only if you trust where it came from."
-  )
+    raise SourceFormatError(f"{source}: not a valid pickle ({type(e).__name__}: {e!s:.200})") from e
+  limits.check_tree(tree, source)
+  return tree
 
 
 def _modern_name(module: str, name: str) -> tuple[str, str]:
@@ -187,8 +123,11 @@ def _is_refused(module: str, name: str) -> bool:
   return module == "builtins" and name.split(".")[0] in _REFUSED_BUILTINS
 
 
-class _SafeUnpickler(pickle._Unpickler):
-  """`pickle._Unpickler` with every calling or mutating opcode replaced; see the module doc."""
+class _SafeUnpickler(limits.Budget, pickle._Unpickler):
+  """`pickle._Unpickler` with every calling or mutating opcode replaced; see the module doc.
+
+  `limits.Budget` holds it to the limits of `_pickle_limits` as it runs.
+  """
 
   dispatch: ClassVar[dict] = dict(pickle._Unpickler.dispatch)
 
@@ -204,6 +143,8 @@ class _SafeUnpickler(pickle._Unpickler):
     self._extra_globals = extra_globals
     self._persistent_load = persistent_load
     self._fresh: dict[int, Any] = {}  # objects made here that one BUILD may still fill
+    self._steps = 0  # of limits.MAX_STEPS
+    self._shapes: dict[int, tuple[Any, int, int]] = {}  # see limits.Budget
 
   def _bad(self, what: str) -> SourceFormatError:
     return SourceFormatError(f"{self._source}: {what}")
@@ -219,7 +160,7 @@ class _SafeUnpickler(pickle._Unpickler):
     if (module, name) in self._extra_globals:
       return self._extra_globals[(module, name)]
     if (module, name) == ("numpy", "ndarray"):
-      return _NDARRAY
+      return NDARRAY
     method = _BUILTIN_GLOBALS.get((module, name))
     if method is None:
       return InertGlobal(f"{module}.{name}")
@@ -230,10 +171,37 @@ class _SafeUnpickler(pickle._Unpickler):
       raise self._bad(f"persistent id {pid!r:.80} outside a torch file")
     return self._persistent_load(pid)
 
+  # Opcodes that make tuples, frozensets and dicts.
+
+  def _load_tuple(self) -> None:
+    items = self.pop_mark()  # before `self.append`: pop_mark rebinds it
+    self.append(self._made(tuple(items)))
+
+  def _load_tuple1(self) -> None:
+    self.stack[-1] = self._made((self.stack[-1],))
+
+  def _load_tuple2(self) -> None:
+    self.stack[-2:] = [self._made((self.stack[-2], self.stack[-1]))]
+
+  def _load_tuple3(self) -> None:
+    self.stack[-3:] = [self._made((self.stack[-3], self.stack[-2], self.stack[-1]))]
+
+  def _load_frozenset(self) -> None:
+    items = self.pop_mark()
+    self._hashing(items)
+    self.append(self._made(frozenset(items)))
+
+  def _load_dict(self) -> None:
+    items = self.pop_mark()
+    if len(items) % 2:
+      raise self._bad("DICT with an odd number of items")
+    self._hashing(items[::2])
+    self.append(dict(zip(items[::2], items[1::2], strict=True)))
+
   # Opcodes that call.
 
   def _call(self, func: Any, args: Any, kwargs: Any = None) -> Any:
-    return call(func, args, source=self._source, kwargs=kwargs)
+    return self._made(call(func, args, source=self._source, kwargs=kwargs))
 
   def _load_reduce(self) -> None:  # also NEWOBJ: cls.__new__(cls, *args) is a call here
     args = self.stack.pop()
@@ -245,7 +213,7 @@ class _SafeUnpickler(pickle._Unpickler):
     self.stack[-1] = self._call(self.stack[-1], args, kwargs)
 
   def _instantiate(self, klass: Any, args: list) -> None:  # INST and OBJ
-    self.append(self._call(klass, tuple(args)))
+    self.append(self._call(klass, self._made(tuple(args))))
 
   def _refuse_ext(self) -> None:
     raise unsafe(self._source, "an EXT opcode reads the process-wide copyreg extension registry")
@@ -261,12 +229,15 @@ class _SafeUnpickler(pickle._Unpickler):
       raise unsafe(
         self._source, f"BUILD on an object of type {type(inst).__name__} it did not just make"
       )
-    elif isinstance(inst, collections.OrderedDict):  # a state_dict's `_metadata`
-      if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
-        raise self._bad(f"OrderedDict state {state!r:.80} is not a dict of attributes")
+    elif isinstance(inst, np.dtype):
+      _pickle_numpy.build_dtype(inst, state, source=self._source)
+    elif isinstance(inst, np.ndarray):
+      _pickle_numpy.build_array(inst, state, source=self._source)
+    else:  # an OrderedDict: a state_dict's `_metadata`
+      bad = not isinstance(state, dict) or not all(_is_attribute(k) for k in state)
+      if bad:
+        raise self._bad(f"OrderedDict state {state!r:.80} is not a dict of new attribute names")
       inst.__dict__.update(state)
-    else:  # a numpy dtype or array from _np_dtype / _np_reconstruct
-      inst.__setstate__(state)
 
   def _set_items(self, items: list) -> None:
     target = self.stack[-1]
@@ -278,6 +249,7 @@ class _SafeUnpickler(pickle._Unpickler):
       raise unsafe(self._source, f"SETITEM on an object of type {type(target).__name__}")
     if len(items) % 2:
       raise self._bad("SETITEMS with an odd number of items")
+    self._hashing(items[::2])
     for i in range(0, len(items), 2):
       target[items[i]] = items[i + 1]
 
@@ -309,9 +281,16 @@ class _SafeUnpickler(pickle._Unpickler):
     items = self.pop_mark()
     if type(self.stack[-1]) is not set:
       raise unsafe(self._source, f"ADDITEMS on an object of type {type(self.stack[-1]).__name__}")
+    self._hashing(items)
     self.stack[-1].update(items)
 
   for _op, _fn in [
+    (pickle.TUPLE, _load_tuple),
+    (pickle.TUPLE1, _load_tuple1),
+    (pickle.TUPLE2, _load_tuple2),
+    (pickle.TUPLE3, _load_tuple3),
+    (pickle.FROZENSET, _load_frozenset),
+    (pickle.DICT, _load_dict),
     (pickle.REDUCE, _load_reduce),
     (pickle.NEWOBJ, _load_reduce),
     (pickle.NEWOBJ_EX, _load_newobj_ex),
@@ -326,20 +305,38 @@ class _SafeUnpickler(pickle._Unpickler):
     (pickle.ADDITEMS, _load_additems),
   ]:
     dispatch[_op[0]] = _fn
+  for _op in (pickle.PUT, pickle.BINPUT, pickle.LONG_BINPUT, pickle.MEMOIZE):
+    dispatch[_op[0]] = limits.memo_limited(dispatch[_op[0]])
+  dispatch = {code: limits.counted(fn) for code, fn in dispatch.items()}
   del _op, _fn
 
   # Allowed globals.
 
+  def _items(self, items: Any, what: str) -> list | tuple:
+    if type(items) not in (list, tuple):
+      raise self._bad(f"{what} of a {type(items).__name__}, not of a list or tuple")
+    return items
+
   def _ordered_dict(self, items=()):
-    return self._new(collections.OrderedDict(items))
+    pairs = self._items(items, "OrderedDict")
+    if not all(type(p) in (tuple, list) and len(p) == 2 for p in pairs):
+      raise self._bad("OrderedDict of items that are not (key, value) pairs")
+    self._hashing([key for key, _ in pairs])
+    return self._new(collections.OrderedDict(tuple(p) for p in pairs))
 
   def _defaultdict(self, default_factory=None, *args):
-    return dict(*args)
+    if args:
+      raise self._bad("defaultdict with initial items (torch pickles add them with SETITEMS)")
+    return {}
 
   def _set(self, items=()):
+    items = self._items(items, "set")
+    self._hashing(items)
     return set(items)
 
   def _frozenset(self, items=()):
+    items = self._items(items, "frozenset")
+    self._hashing(items)
     return frozenset(items)
 
   def _complex(self, real=0.0, imag=0.0):
@@ -348,10 +345,12 @@ class _SafeUnpickler(pickle._Unpickler):
     return complex(real, imag)
 
   def _slice(self, *args):
+    if len(args) > 3 or not all(v is None or type(v) is int for v in args):
+      raise self._bad(f"slice{args!r:.80}")
     return slice(*args)
 
   def _range(self, *args):
-    if not all(type(v) is int for v in args):
+    if not 1 <= len(args) <= 3 or not all(type(v) is int for v in args):
       raise self._bad(f"range{args!r:.80}")
     return range(*args)
 
@@ -362,39 +361,38 @@ class _SafeUnpickler(pickle._Unpickler):
       raise self._bad(f"bytearray({source!r:.40})")
     return bytearray(source)
 
+  def _bytes(self, source=b""):  # protocol 2 writes b"" as bytes()
+    if not isinstance(source, bytes):
+      raise self._bad(f"bytes({source!r:.40})")
+    return source
+
   def _encode(self, text, encoding="utf-8"):
     if not isinstance(text, str) or encoding not in _TEXT_ENCODINGS:
       raise self._bad(f"_codecs.encode({text!r:.40}, {encoding!r:.20})")
     return text.encode(encoding)
 
   def _reconstructor(self, cls, base, state):
-    if type(cls) is not InertGlobal or cls == _NDARRAY:
+    if type(cls) is not InertGlobal or cls == NDARRAY:
       raise unsafe(self._source, f"copyreg._reconstructor of {getattr(cls, 'qualname', cls)!r:.80}")
     return InertObject(cls.qualname, () if state is None else (state,))
 
   def _np_reconstruct(self, subtype, shape, dtype):
-    if type(subtype) is not InertGlobal or subtype != _NDARRAY:
+    if type(subtype) is not InertGlobal or subtype != NDARRAY:
       raise unsafe(self._source, f"numpy _reconstruct of {subtype!r:.80}, not of numpy.ndarray")
     return self._new(np.empty(0, np.uint8))
 
   def _np_dtype(self, spec, align=False, copy=True):
-    if not isinstance(spec, str):
-      raise self._bad(f"numpy.dtype({spec!r:.40})")
-    return self._new(np.dtype(spec, align=bool(align), copy=True))
+    return self._new(_pickle_numpy.dtype(spec, align, copy, source=self._source))
 
   def _np_scalar(self, dtype, data=None):
-    if not isinstance(dtype, np.dtype):
-      raise self._bad(f"numpy scalar of {dtype!r:.40}")
-    if dtype.hasobject:
-      return data
-    if not isinstance(data, bytes) or len(data) != dtype.itemsize:
-      raise self._bad(f"numpy scalar of {dtype} from {data!r:.40}")
-    return np.frombuffer(data, dtype)[0]
+    return _pickle_numpy.scalar(dtype, data, source=self._source)
 
   def _np_frombuffer(self, buffer, dtype, shape, order):
-    ok_shape = isinstance(shape, tuple) and all(type(n) is int for n in shape)
-    if (
-      not isinstance(dtype, np.dtype) or dtype.hasobject or order not in ("C", "F") or not ok_shape
-    ):
-      raise self._bad(f"numpy _frombuffer of {dtype!r:.40}, {shape!r:.40}, {order!r:.10}")
-    return np.frombuffer(buffer, dtype).reshape(shape, order=order)
+    return _pickle_numpy.frombuffer(buffer, dtype, shape, order, source=self._source)
+
+
+def _is_attribute(name: Any) -> bool:
+  """A name BUILD may set on an OrderedDict: new (`_metadata`), never one that hides a method."""
+  return (
+    type(name) is str and not name.startswith("__") and not hasattr(collections.OrderedDict, name)
+  )

@@ -1,0 +1,194 @@
+"""The zip container of a `torch.save` file, opened so that a forged one cannot hurt.
+
+Only a regular file is opened (never a FIFO or a device, followed symlinks included, and never
+blocking); zip entries must be stored or deflated, unencrypted, and lie inside the file; a
+deflated entry may not claim more than `MAX_DEFLATE_RATIO` times its compressed size, and one
+read into memory no more than its caller's limit (`MAX_INFLATED_BYTES` for storages). Each
+breach is a `SourceFormatError` naming the file and the entry.
+"""
+
+from __future__ import annotations
+
+import mmap as mmap_lib
+import os
+import stat
+import struct
+import zipfile
+from typing import BinaryIO
+
+import numpy as np
+
+from ucp_jax._errors import SourceFormatError
+
+MAX_INFLATED_BYTES = 1 << 30
+"""Bytes a compressed storage may inflate to (torch never compresses; its entries are mapped)."""
+MAX_DEFLATE_RATIO = 1032
+"""The most a deflate stream can expand (1032:1); an entry that claims more is forged."""
+_SMALL_ENTRY = 4096  # byteorder and other small entries
+_LEGACY_MAGIC = b"\x80\x02\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+_LOCAL_HEADER = struct.Struct("<4s22xHH")
+
+
+def open_regular(path: str) -> BinaryIO:
+  """Opens `path` for binary reading if it is a regular file, once symlinks are followed.
+
+  The check is made on the open file (no race with a swap of the path), and opening never
+  blocks: a FIFO, a device (``/dev/zero``), a socket or a directory is refused.
+
+  Raises:
+    SourceFormatError: `path` is not a regular file.
+    OSError: it cannot be opened.
+  """
+  flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
+  fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
+  try:
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+      kind = _FILE_KINDS.get(stat.S_IFMT(mode), "not a regular file")
+      raise SourceFormatError(f"{path}: a {kind}, not a regular file; refusing to read it")
+    return os.fdopen(fd, "rb")
+  except BaseException:
+    os.close(fd)
+    raise
+
+
+_FILE_KINDS = {
+  stat.S_IFIFO: "FIFO (named pipe)",
+  stat.S_IFCHR: "character device",
+  stat.S_IFBLK: "block device",
+  stat.S_IFDIR: "directory",
+  stat.S_IFSOCK: "socket",
+}
+
+
+def open_zip(path: str, f: BinaryIO) -> zipfile.ZipFile:
+  head = f.read(512)
+  f.seek(0)
+  if head.startswith(_LEGACY_MAGIC) or head[257:262] == b"ustar":
+    raise SourceFormatError(
+      f"{path}: legacy torch format (torch.save before 1.6, or with "
+      "_use_new_zipfile_serialization=False), which the safe reader does not read. Re-save it "
+      "with torch>=1.6: torch.save(torch.load(old, weights_only=True), new)."
+    )
+  try:
+    return zipfile.ZipFile(f)
+  except Exception as e:  # zipfile's parser on a forged directory: BadZipFile, ValueError, ...
+    if head.startswith(b"PK\x03\x04"):
+      raise SourceFormatError(
+        f"{path}: truncated or corrupt zip file ({type(e).__name__}: {e!s:.200})"
+      ) from e
+    raise SourceFormatError(
+      f"{path}: not a torch file: neither a zip nor a legacy torch file"
+    ) from e
+
+
+def find_root(path: str, zf: zipfile.ZipFile) -> str:
+  names = set(zf.namelist())
+  roots = sorted(
+    name[: -len("/data.pkl")]
+    for name in names
+    if name.count("/") == 1 and name.endswith("/data.pkl")
+  )
+  if len(roots) != 1:
+    raise SourceFormatError(
+      f"{path}: no single <root>/data.pkl entry (found {roots}): not a torch.save file"
+    )
+  if f"{roots[0]}/constants.pkl" in names:
+    raise SourceFormatError(
+      f"{path}: a TorchScript archive (torch.jit.save); save a state_dict instead"
+    )
+  return roots[0]
+
+
+class Archive:
+  """An open torch zip file: its entries, byte order and storage bytes."""
+
+  def __init__(self, path: str, f: BinaryIO, use_mmap: bool) -> None:
+    self._path = path
+    self._size = os.fstat(f.fileno()).st_size
+    self._zip = open_zip(path, f)
+    self._root = find_root(path, self._zip)
+    self._map = mmap_lib.mmap(f.fileno(), 0, access=mmap_lib.ACCESS_READ) if use_mmap else None
+    order = self.read(self.entry("byteorder"), _SMALL_ENTRY) if self.has("byteorder") else b"little"
+    if order not in (b"little", b"big"):
+      raise SourceFormatError(f"{path}: byteorder entry is {order[:20]!r}, not little or big")
+    self._big_endian = order == b"big"
+
+  def has(self, name: str) -> bool:
+    return f"{self._root}/{name}" in self._zip.NameToInfo
+
+  def entry(self, name: str) -> zipfile.ZipInfo:
+    """The zip entry `<root>/name`, checked: stored or deflated, unencrypted, inside the file."""
+    full = f"{self._root}/{name}"
+    try:
+      info = self._zip.getinfo(full)
+    except KeyError:
+      raise SourceFormatError(
+        f"{self._path}: entry {full!r} is missing: truncated or not written by torch.save"
+      ) from None
+    problem = None
+    if info.flag_bits & 0x41:  # bit 0: encrypted; bit 6: strong encryption
+      problem = "is encrypted (torch never encrypts)"
+    elif info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+      problem = f"uses compression method {info.compress_type} (only stored or deflated are read)"
+    elif info.header_offset + info.compress_size > self._size:
+      problem = f"claims {info.compress_size} bytes at offset {info.header_offset}, past the end"
+    elif info.compress_type == zipfile.ZIP_STORED and info.compress_size != info.file_size:
+      problem = f"is stored, but claims {info.file_size} bytes in {info.compress_size}"
+    elif info.file_size > MAX_DEFLATE_RATIO * info.compress_size + _SMALL_ENTRY:
+      problem = (
+        f"claims to inflate {info.compress_size} bytes to {info.file_size}, more than deflate "
+        f"can (MAX_DEFLATE_RATIO {MAX_DEFLATE_RATIO}): a zip bomb"
+      )
+    if problem:
+      raise SourceFormatError(f"{self._path}: entry {full!r} {problem}")
+    return info
+
+  def read(self, info: zipfile.ZipInfo, limit: int) -> bytes:
+    """The bytes of a checked entry, if it holds at most `limit` bytes (CRC-checked)."""
+    if info.file_size > limit:
+      raise SourceFormatError(
+        f"{self._path}: entry {info.filename!r} holds {info.file_size} bytes, more than the "
+        f"{limit} the safe reader reads into memory"
+      )
+    try:
+      with self._zip.open(info) as entry:
+        data = entry.read(limit + 1)
+    except Exception as e:  # zipfile and zlib on forged bytes: BadZipFile, zlib.error, EOFError
+      raise SourceFormatError(
+        f"{self._path}: entry {info.filename!r} is corrupt ({type(e).__name__}: {e!s:.200})"
+      ) from e
+    if len(data) != info.file_size:
+      raise SourceFormatError(
+        f"{self._path}: entry {info.filename!r} holds {len(data)} bytes, its zip header says "
+        f"{info.file_size}"
+      )
+    return data
+
+  @property
+  def path(self) -> str:
+    return self._path
+
+  @property
+  def big_endian(self) -> bool:
+    """Whether the file's `byteorder` entry says big-endian."""
+    return self._big_endian
+
+  def payload(self, info: zipfile.ZipInfo, nbytes: int) -> np.ndarray:
+    """The first `nbytes` of checked entry `info`: mapped if stored and mapping, else read."""
+    if self._map is None or info.compress_type != zipfile.ZIP_STORED:
+      return np.frombuffer(self.read(info, MAX_INFLATED_BYTES), np.uint8)
+    header = self._map[info.header_offset : info.header_offset + _LOCAL_HEADER.size]
+    if len(header) < _LOCAL_HEADER.size or _LOCAL_HEADER.unpack(header)[0] != b"PK\x03\x04":
+      raise SourceFormatError(f"{self._path}: entry {info.filename!r} has a corrupt zip header")
+    _, name_len, extra_len = _LOCAL_HEADER.unpack(header)
+    start = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+    if start + nbytes > len(self._map):
+      raise SourceFormatError(
+        f"{self._path}: storage {info.filename!r} runs past the end of the file"
+      )
+    if nbytes == 0:
+      empty = np.empty(0, np.uint8)
+      empty.flags.writeable = False
+      return empty
+    return np.frombuffer(self._map, np.uint8, nbytes, start)
