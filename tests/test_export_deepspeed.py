@@ -368,6 +368,7 @@ def test_failure_leaves_the_old_export_and_no_staging(tmp_path, monkeypatch):
   assert (tmp_path / "ds" / "latest_universal").read_text() == "old"
 
 
+@needs_torch
 def test_concurrent_export_is_turned_away_and_dead_staging_removed(tmp_path):
   from ucp_jax import _commit, _store
 
