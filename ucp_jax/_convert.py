@@ -25,6 +25,13 @@ from ucp_jax._writer import Writer
 
 _MIN_IN_FLIGHT = 64 << 20
 """Bytes of assembled arrays that may wait for their writes (at least two of the largest)."""
+MAX_GROWTH = 4
+"""How many times the bytes of its source files a conversion may write (plus `GROWTH_SLACK`).
+
+The arrays are the source's own elements, so a checkpoint writes about as many bytes as it
+reads (fp32 masters and slots; bf16 weights are not written). More means tensors that alias
+each other: a forged file that makes a few bytes of storage into terabytes of output."""
+GROWTH_SLACK = 256 << 20
 
 Progress = Callable[[str, int, int], None]
 
@@ -95,7 +102,9 @@ def convert(
 
   Raises:
     SourceFormatError: `src` is not a checkpoint of a known layout, or its files are missing,
-      damaged, or from different runs; the message lists every problem with file and key.
+      damaged, forged (`_deepspeed_contract`, `_torch_file`), or from different runs; the
+      message lists every problem with file and key. Also when the arrays would take more than
+      `MAX_GROWTH` times the bytes of the source files (tensors aliasing each other).
     CheckpointExistsError: `dst` exists and `overwrite` is False.
   """
   start = time.perf_counter()
@@ -110,6 +119,7 @@ def convert(
     source=plan.source,
     schema=schema,
   )
+  _check_growth(plan.path, manifest.nbytes)
   _write(target, jobs, manifest, overwrite=overwrite, progress=progress)
   return ConvertReport(
     src=plan.path,
@@ -153,11 +163,10 @@ def detect(src: str | os.PathLike) -> tuple[str, str]:
     return kind, path
   for pointer in ("latest", "latest_universal"):
     file = os.path.join(path, pointer)
-    if os.path.isfile(file):
-      with open(file) as f:
-        tag = f.read().strip()
+    if os.path.lexists(file) and not os.path.isdir(file):
+      tag = _deepspeed_common.read_tag(file)
       folder = os.path.join(path, tag)
-      kind = _folder_kind(folder) if tag and os.path.isdir(folder) else None
+      kind = _folder_kind(folder) if os.path.isdir(folder) else None
       if kind is None:
         raise SourceFormatError(
           f"{file} names the tag {tag!r}, but {folder} is not a DeepSpeed tag or universal folder"
@@ -181,6 +190,22 @@ def _folder_kind(folder: str) -> str | None:
   if any(n.endswith("model_states.pt") or n.endswith("optim_states.pt") for n in names):
     return "deepspeed"
   return None
+
+
+def _check_growth(folder: str, nbytes: int) -> None:
+  """Refuses to write more than `MAX_GROWTH` times the bytes of the files in `folder`."""
+  read = sum(
+    os.stat(os.path.join(root, name)).st_size
+    for root, _, names in os.walk(folder)
+    for name in names
+    if os.path.isfile(os.path.join(root, name))
+  )
+  if nbytes > MAX_GROWTH * read + GROWTH_SLACK:
+    raise SourceFormatError(
+      f"{folder}: its arrays would take {nbytes} bytes, more than {MAX_GROWTH} times the {read} "
+      "bytes of its files (MAX_GROWTH): tensors that alias each other, as only a forged or "
+      "corrupt checkpoint has"
+    )
 
 
 def _layout(plan: Plan) -> tuple[dict[str, tuple[ArrayInfo, Tensor]], dict]:

@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from ucp_jax import _torch_file
+from ucp_jax import _deepspeed_contract as contract
+from ucp_jax import _torch_file, _torch_zip
 from ucp_jax._convert_plan import Param, Tensor, fixed, jsonable, number
 from ucp_jax._errors import SourceFormatError, bullet_list
 
@@ -35,6 +36,8 @@ _ENGINE_KEYS = frozenset(
   | {"data_sampler", "random_ltd", "skipped_steps", "global_samples", "mp_world_size"}
   | {"checkpoint_parallel_dimensions", "ds_config", "sparse_tensor_module_names"}
 )
+MAX_NAME = 1024
+"""Characters of a parameter name (patterns match names: their time grows with the length)."""
 MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -64,8 +67,37 @@ def load(path: str) -> Any:
     if path in str(e):
       raise
     raise SourceFormatError(f"{path}: {e}") from e
-  except (OSError, ValueError, EOFError, KeyError) as e:
-    raise SourceFormatError(f"{path}: cannot read this torch file: {e}") from e
+  except OSError as e:
+    raise SourceFormatError(f"{path}: cannot read this torch file ({e.strerror or e})") from e
+
+
+MAX_TAG_BYTES = 4096
+"""The most a `latest` file may hold: one folder name."""
+
+
+def read_tag(path: str) -> str:
+  """The tag that a `latest` file names: one folder beside it, never a path out of the folder.
+
+  Raises:
+    SourceFormatError: `path` is not a regular file of UTF-8 text naming one folder (no
+      separator, not ``..``, not absolute).
+  """
+  try:
+    with _torch_zip.open_regular(path) as f:
+      raw = f.read(MAX_TAG_BYTES + 1)
+  except OSError as e:
+    raise SourceFormatError(f"{path}: cannot read this tag file ({e.strerror or e})") from e
+  try:
+    tag = raw.decode("utf-8").strip()
+  except UnicodeDecodeError:
+    raise SourceFormatError(f"{path}: not UTF-8 text, so it names no tag folder") from None
+  separators = {"/", "\\", "\0", os.sep, os.altsep} - {None}
+  if len(raw) > MAX_TAG_BYTES or not tag or tag in (".", "..") or any(c in tag for c in separators):
+    raise SourceFormatError(
+      f"{path}: names {tag!r:.80}, not a tag folder beside it; a tag is one folder name, so "
+      "convert never follows it out of the checkpoint folder"
+    )
+  return tag
 
 
 def list_tag(folder: str) -> TagFiles:
@@ -206,6 +238,9 @@ def shapes_of(model: dict, path: str, problems: list[str]) -> list[dict[str, tup
   for g, group in enumerate(shapes):
     entry = {}
     for name, shape in group.items():
+      if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME:
+        problems.append(f"{path}: ['param_shapes'][{g}] has the key {name!r:.40}, not a name")
+        continue
       if not (isinstance(shape, tuple) and all(type(d) is int and d >= 0 for d in shape)):
         problems.append(f"{path}: ['param_shapes'][{g}][{name!r}] = {shape!r:.40} is no shape")
         continue
@@ -279,7 +314,7 @@ def optimizer_entry(groups: list[dict], steps: list[Any], config: Any) -> dict:
   """The schema's `optimizer` entry: type, step, per-group hyperparameters and step."""
   out_groups = []
   for group, step in zip(groups, steps):
-    hyper = {k: jsonable(v) for k, v in group.items() if k != "params"}
+    hyper = {str(k): jsonable(v) for k, v in group.items() if k != "params"}
     out_groups.append({**hyper, "step": None if step is None else number(step)})
   known = [g["step"] for g in out_groups if g["step"] is not None]
   return {
@@ -335,20 +370,19 @@ OSD = "['optimizer_state_dict']"
 
 
 def load_optim_files(
-  paths: list[str], osd_keys: tuple[str, ...], check_osd
+  paths: list[str], spec: contract.Spec, special=None
 ) -> tuple[list[dict | None], list, list[str]]:
   """Each rank file's `optimizer_state_dict`, its `(path, ds_version)`, and the problems.
 
-  `check_osd(osd, path)` returns the stage-specific problems of one state dict.
+  Each file is checked against `contract.optim_file(spec)`; `special(osd, path)`, if given,
+  returns the problems of a known unsupported layout, which it names better than the contract.
   """
   problems, osds, versions = [], [], []
   for path in paths:
     data = load(path)
     versions.append((path, data.get("ds_version") if isinstance(data, dict) else None))
-    problems += missing_keys(data, ("optimizer_state_dict", "ds_version"), path)
     osd = data.get("optimizer_state_dict") if isinstance(data, dict) else None
     osds.append(osd)
-    if osd is not None:
-      problems += missing_keys(osd, osd_keys, path, OSD)
-      problems += check_osd(osd, path)
+    found = special(osd, path) if special is not None and isinstance(osd, dict) else []
+    problems += found or contract.check(data, contract.optim_file(spec), path)
   return osds, versions, problems

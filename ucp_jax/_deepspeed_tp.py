@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from ucp_jax import _deepspeed_common as common
+from ucp_jax import _deepspeed_contract as contract
 from ucp_jax import _deepspeed_zero, _pattern_flat, _pattern_rules, _patterns
 from ucp_jax._convert_plan import Param, Plan, Tensor, release
 from ucp_jax._errors import MappingError, SourceFormatError
@@ -97,6 +98,10 @@ def plan(folder: str, *, rules: Sequence = ()) -> Plan:
   if 0 not in models:
     raise SourceFormatError(f"{folder}: mp_rank_00_model_states.pt is missing")
   first = common.load(models[0])
+  common.fail(
+    f"{models[0]}: not a DeepSpeed ZeRO model-states file",
+    contract.check(first, contract.MODEL_STATES, models[0]),
+  )
   tp, pp = _degrees(first, models[0], len(models))
   problems = [
     f"mp_rank_{i:02d}_model_states.pt is missing (tp {tp} x pp {pp})"
@@ -111,7 +116,10 @@ def plan(folder: str, *, rules: Sequence = ()) -> Plan:
     _read_rank(folder, i, tp, models[i], optims.get(i, {}), first if i == 0 else None)
     for i in range(tp * pp)
   ]
-  info = union_info([r.model.get("universal_checkpoint_info") for r in ranks])
+  info, problems = contract.universal_info(
+    union_info([r.model.get("universal_checkpoint_info") for r in ranks]), folder
+  )
+  common.fail(f"{folder}: unusable universal_checkpoint_info", problems)
   by_name: dict[str, dict[int, dict[int, Param]]] = {}
   for r in ranks:
     for name, p in r.params.items():
@@ -156,21 +164,27 @@ def plan(folder: str, *, rules: Sequence = ()) -> Plan:
 def _degrees(model: dict, path: str, files: int) -> tuple[int, int]:
   dims = model.get("checkpoint_parallel_dimensions")
   if isinstance(dims, dict) and "tp_degree" in dims and "pp_degree" in dims:
-    return int(dims["tp_degree"]), int(dims["pp_degree"])
-  tp = model.get("mp_world_size")
-  if not isinstance(tp, int) or tp < 1:
+    tp, pp = dims["tp_degree"], dims["pp_degree"]
+  else:
+    tp = model.get("mp_world_size")
+    if tp is None:
+      raise SourceFormatError(
+        f"{path}: neither ['checkpoint_parallel_dimensions'] nor an int ['mp_world_size']: "
+        "cannot tell the tensor- and pipeline-parallel degrees"
+      )
+    pp = max(1, files // tp)
+  if tp * pp > contract.MAX_RANKS:  # each is at most MAX_RANKS (contract.MODEL_STATES)
     raise SourceFormatError(
-      f"{path}: neither ['checkpoint_parallel_dimensions'] nor an int ['mp_world_size']: "
-      "cannot tell the tensor- and pipeline-parallel degrees"
+      f"{path}: tp {tp} x pp {pp} model-parallel ranks, more than {contract.MAX_RANKS}"
     )
-  return tp, max(1, files // tp)
+  return tp, pp
 
 
 def _read_rank(folder, i, tp, model_path, optims, model) -> _Rank:
   model = common.load(model_path) if model is None else model
   common.fail(
     f"{model_path}: not a DeepSpeed ZeRO model-states file",
-    common.missing_keys(model, common.MODEL_KEYS, model_path),
+    contract.check(model, contract.MODEL_STATES, model_path),
   )
   dp = model["dp_world_size"]
   missing = [k for k in range(dp) if k not in optims]
@@ -198,18 +212,28 @@ def union_info(infos: Sequence[Any]) -> dict:
   """The union of several `universal_checkpoint_info` dicts (pattern lists and maps merged).
 
   DeepSpeed's `ds_to_universal` reads only the first model-states file's; with AutoTP and a
-  pipeline each stage lists only its own parameters.
+  pipeline each stage lists only its own parameters. A list or dict replaces a value of
+  another kind under the same key (`_deepspeed_contract.universal_info` checks the union).
   """
   out: dict[str, Any] = {}
+  seen: dict[str, set] = {}  # per list: what it holds (its repr, when unhashable)
   for info in infos:
     if not isinstance(info, dict):
       continue
     for key, value in info.items():
       if isinstance(value, list | tuple) and key != "shape":
-        merged = out.setdefault(key, [])
-        merged.extend(v for v in value if v not in merged)
+        if not isinstance(out.get(key), list):
+          out[key], seen[key] = [], set()
+        merged = out[key]
+        for v in value:
+          marker = v if isinstance(v, str | int | float) else repr(v)
+          if marker not in seen.setdefault(key, set()):
+            seen[key].add(marker)
+            merged.append(v)
       elif isinstance(value, dict):
-        merged = out.setdefault(key, {})
+        if not isinstance(out.get(key), dict):
+          out[key] = {}
+        merged = out[key]
         for k, v in value.items():
           merged[k] = (
             {**merged[k], **v} if isinstance(v, dict) and isinstance(merged.get(k), dict) else v
@@ -236,6 +260,8 @@ def merged_shape(pattern: Pattern, shapes: Sequence[tuple[int, ...]], name: str)
     shape = list(shapes[0])
     shape[dim] = sum(s[dim] for s in shapes)
   if pattern.vocab_size is not None:
+    if not 0 < pattern.vocab_size <= shape[0]:
+      raise MappingError(f"`{name}`: vocabulary size {pattern.vocab_size} of {shape[0]} rows")
     shape[0] = pattern.vocab_size
   return tuple(shape)
 
@@ -335,7 +361,12 @@ def _expert_files(folder: str, names: list[str], tp: int) -> dict[str, dict[int,
     if not m or int(m.group(3)) != 0:
       continue
     path = os.path.join(folder, n)
-    for key in common.load(path):
+    data = common.load(path)
+    common.fail(
+      f"{path}: not a DeepSpeed expert-parameters file",
+      contract.check(data, contract.EXPERTS, path),
+    )
+    for key in data:
       k = _EXPERT_KEY_RE.match(key)
       if k is None or int(k.group(2)) != int(m.group(2)):
         raise SourceFormatError(f"{path}: key {key!r} is not an expert {m.group(2)} parameter")
@@ -349,6 +380,13 @@ def _experts(name: str, files: dict[int, tuple[str, str]], problems) -> Param:
     problems.append(f"`{name}`: expert files for experts {sorted(files)}, expected 0..{n - 1}")
   path0, key0 = files[min(files)]
   sample = common.load(path0)[key0]
+  for path, key in files.values():
+    array = common.load(path)[key]
+    if array.shape != sample.shape or array.dtype != sample.dtype:
+      problems.append(
+        f"{path}: [{key!r}] has shape {array.shape} and {array.dtype}, but the expert in "
+        f"{os.path.basename(path0)} {sample.shape} and {sample.dtype}"
+      )
   shape = (n, *sample.shape)
   pattern = _patterns.expert(n)
 

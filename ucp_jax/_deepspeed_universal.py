@@ -18,6 +18,7 @@ import re
 import numpy as np
 
 from ucp_jax import _deepspeed_common as common
+from ucp_jax import _deepspeed_contract as contract
 from ucp_jax import _deepspeed_zero, _deepspeed_zero3
 from ucp_jax._convert_plan import Param, Pieces, Plan, Tensor
 from ucp_jax._errors import SourceFormatError
@@ -42,13 +43,10 @@ def plan(folder: str) -> Plan:
     )
   opt_path = os.path.join(folder, "zero", "optimizer_state.pt")
   opt = common.load(opt_path)
-  problems = common.missing_keys(opt, ("param_groups",), opt_path)
-  stage, optimizer_class = common.optimizer_class(opt) if isinstance(opt, dict) else (0, "")
+  problems = contract.check(opt, contract.UNIVERSAL_OPTIM, opt_path)
+  stage, optimizer_class = common.optimizer_class(opt) if not problems else (0, "")
   if stage == 3:
     problems += common.missing_keys(opt, ("optimizer_state_dict",), opt_path)
-    problems += common.missing_keys(
-      opt.get("optimizer_state_dict"), ("state",), opt_path, "['optimizer_state_dict']"
-    )
   model_paths = _model_paths(folder, stage == 3)
   if not model_paths:
     want = "zero_pp_rank_0_mp_rank_00" if stage == 3 else "mp_rank_00"
@@ -65,7 +63,7 @@ def plan(folder: str) -> Plan:
     models = [common.load(model_paths[0])]
     common.fail(
       f"{model_paths[0]}: not a DeepSpeed model-states file (expected keys {common.MODEL_KEYS})",
-      common.missing_keys(models[0], common.MODEL_KEYS, model_paths[0]),
+      contract.check(models[0], contract.MODEL_STATES, model_paths[0]),
     )
   model, model_path = models[0], model_paths[0]
   shapes = common.shapes_of(model, model_path, problems)
@@ -141,6 +139,9 @@ def _model_paths(folder: str, zero3: bool) -> list[str]:
 
 def _param(folder, name, shape, group, stage, problems):
   """The parameter `name` from `zero/<name>/*.pt`; (None, None) with problems noted."""
+  if name in (".", "..") or any(c in name for c in ("/", "\\", "\0", os.sep)):
+    problems.append(f"{folder}: parameter name {name!r:.80} is not a folder name in zero/")
+    return None, None
   where = os.path.join(folder, "zero", name)
   files = sorted(os.listdir(where)) if os.path.isdir(where) else []
   if "fp32.pt" not in files:

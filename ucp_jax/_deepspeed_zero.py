@@ -10,6 +10,7 @@ views into the rank files, cut by offset: no copy until the writer assembles it.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ucp_jax import _deepspeed_common as common
+from ucp_jax import _deepspeed_contract as contract
 from ucp_jax._convert_plan import Param, Plan, Tensor, fixed
 from ucp_jax._torch_file import InertObject
 
@@ -39,7 +41,7 @@ def plan(files: common.TagFiles) -> Plan:
   model = common.load(model_path)
   common.fail(
     f"{model_path}: not a DeepSpeed ZeRO model-states file (expected keys {common.MODEL_KEYS})",
-    common.missing_keys(model, common.MODEL_KEYS, model_path),
+    contract.check(model, contract.MODEL_STATES, model_path),
   )
   paths = common.check_ranks(files, model["dp_world_size"], model_path)
   osds, versions = load_optim_states(files.folder, paths)
@@ -69,24 +71,19 @@ def plan(files: common.TagFiles) -> Plan:
   )
 
 
-def _check_base(osd: dict, path: str) -> list[str]:
-  base = osd.get("base_optimizer_state") if isinstance(osd, dict) else None
-  if isinstance(base, list):
-    return [
-      f"{path}: {_OSD}['base_optimizer_state'] is a list: the elastic checkpoint layout "
-      "(zero_optimization.elastic_checkpoint: true), which keeps no per-group "
-      "hyperparameters, is not supported"
-    ]
-  if base is None:
+def _elastic(osd: dict, path: str) -> list[str]:
+  if not isinstance(osd.get("base_optimizer_state"), list):
     return []
-  return common.missing_keys(
-    base, ("state", "param_groups"), path, f"{_OSD}['base_optimizer_state']"
-  )
+  return [
+    f"{path}: {_OSD}['base_optimizer_state'] is a list: the elastic checkpoint layout "
+    "(zero_optimization.elastic_checkpoint: true), which keeps no per-group "
+    "hyperparameters, is not supported"
+  ]
 
 
 def load_optim_states(folder: str, paths: list[str]) -> tuple[list[dict], list]:
   """Each rank's `optimizer_state_dict` (keys checked) and its file's `(path, ds_version)`."""
-  osds, versions, problems = common.load_optim_files(paths, OSD_KEYS, _check_base)
+  osds, versions, problems = common.load_optim_files(paths, contract.ZERO12_OSD, _elastic)
   common.fail(
     f"{folder}: not a DeepSpeed ZeRO-1/2 or BF16-optimizer checkpoint of a known layout "
     f"(DeepSpeed 0.19.8: {_OSD} with keys {OSD_KEYS}, and base_optimizer_state with "
@@ -185,6 +182,9 @@ def _group_params(
       pieces[name].setdefault("value", []).append(fp32[start : start + numel])
       for slot, data in slots.items():
         pieces[name].setdefault(slot, []).append(data[start : start + numel])
+    problems += _overlaps(
+      osd["param_slice_mappings"][g], f"{path}: {_OSD}['param_slice_mappings'][{g}]"
+    )
   files = ", ".join(sorted({os.path.basename(p) for p in paths}))
   params = []
   for name, shape in shapes.items():
@@ -215,6 +215,16 @@ def _span(address: Any) -> tuple[int, int] | None:
   if type(start) is not int or type(numel) is not int or start < 0 or numel < 0:
     return None
   return start, numel
+
+
+def _overlaps(mappings: dict, where: str) -> list[str]:
+  """Parameters whose fragments share elements of a partition (each element has one owner)."""
+  spans = sorted((span, name) for name, a in mappings.items() if (span := _span(a)) and span[1])
+  return [
+    f"{where}: {a!r} and {b!r} share elements (at {s2[0]}, before {s1[0] + s1[1]})"
+    for (s1, a), (s2, b) in itertools.pairwise(spans)
+    if s2[0] < s1[0] + s1[1]
+  ]
 
 
 def _show(address: Any) -> str:

@@ -16,6 +16,7 @@ import os
 import numpy as np
 
 from ucp_jax import _deepspeed_common as common
+from ucp_jax import _deepspeed_contract as contract
 from ucp_jax._convert_plan import Param, Plan, Tensor, fixed
 
 OSD_KEYS = ("zero_stage", "partition_count", "optimizer_state_dict", "fp32_flat_groups")
@@ -85,7 +86,9 @@ def load_models(folder: str, paths: list[str]) -> list[dict]:
   """Every rank's ZeRO-3 model states, keys checked and run-level values compared."""
   models = [common.load(p) for p in paths]
   keys = (*common.MODEL_KEYS, "frozen_param_shapes", "frozen_param_fragments")
-  problems = [m for p, d in zip(paths, models) for m in common.missing_keys(d, keys, p)]
+  problems = [
+    m for p, d in zip(paths, models) for m in contract.check(d, contract.ZERO3_MODEL_STATES, p)
+  ]
   common.fail(
     f"{folder}: not a DeepSpeed ZeRO-3 model-states file of a known layout (DeepSpeed 0.19.8; "
     f"expected keys {keys})",
@@ -97,15 +100,8 @@ def load_models(folder: str, paths: list[str]) -> list[dict]:
   return models
 
 
-def _check_inner(osd: dict, path: str) -> list[str]:
-  inner = osd.get("optimizer_state_dict") if isinstance(osd, dict) else None
-  if inner is None:
-    return []
-  return common.missing_keys(inner, ("state", "param_groups"), path, f"{_OSD}{_OSD}")
-
-
 def _load_optim_states(folder: str, paths: list[str]) -> tuple[list[dict], list]:
-  osds, versions, problems = common.load_optim_files(paths, OSD_KEYS, _check_inner)
+  osds, versions, problems = common.load_optim_files(paths, contract.ZERO3_OSD)
   common.fail(
     f"{folder}: not a DeepSpeed ZeRO-3 checkpoint of a known layout (DeepSpeed 0.19.8: {_OSD} "
     f"with keys {OSD_KEYS}, and its optimizer_state_dict with 'state' and 'param_groups')",
@@ -150,6 +146,7 @@ def group_of_subgroups(groups, count: int, path: str, where: str) -> list[int]:
         problems.append(
           f"{path}: {where}[{g}]['params'] has sub-group {s!r:.20} twice or >= {count}"
         )
+        continue
       owner[s] = g
   missing = [s for s in range(count) if s not in owner]
   problems += [f"{path}: {where}: no param group lists sub-group {s}" for s in missing]
