@@ -307,7 +307,7 @@ class _SafeUnpickler(limits.Budget, pickle._Unpickler):
     dispatch[_op[0]] = _fn
   for _op in (pickle.PUT, pickle.BINPUT, pickle.LONG_BINPUT, pickle.MEMOIZE):
     dispatch[_op[0]] = limits.memo_limited(dispatch[_op[0]])
-  dispatch = {code: limits.counted(fn) for code, fn in dispatch.items()}
+  dispatch = {code: limits.counted(fn, code) for code, fn in dispatch.items()}
   del _op, _fn
 
   # Allowed globals.
