@@ -8,6 +8,7 @@ would index into, count with or write out is checked first (`_deepspeed_contract
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import shutil
 import struct
@@ -183,3 +184,24 @@ def _put(tree, path, value):
   for key in path[:-1]:
     tree = tree[key]
   tree[path[-1]] = value
+
+
+@pytest.mark.parametrize(
+  ("make", "message"),
+  [
+    (lambda p: os.mkfifo(p), r"latest: a FIFO \(named pipe\), not a regular file"),
+    (lambda p: p.symlink_to("/dev/zero"), r"latest: a character device, not a regular file"),
+    (lambda p: p.write_bytes(b"global_step3" + b" " * 5000), r"latest: names 'global_step3"),
+    (lambda p: p.write_bytes(b"\xff\xfe"), r"latest: not UTF-8 text"),
+    (lambda p: p.write_text(".."), r"latest: names '\.\.', not a tag folder beside it"),
+    (lambda p: p.write_text("a/../global_step3"), r"latest: names 'a/\.\./global_step3'"),
+  ],
+  ids=["fifo", "dev zero", "long", "not utf-8", "dot dot", "separator"],
+)
+def test_latest_names_one_folder_beside_it(make, message, tmp_path):
+  src = _copy(tmp_path)
+  (src / "latest").unlink()
+  make(src / "latest")
+  _fails(src, message)
+  with pytest.raises(ucp_jax.CheckpointNotFoundError):  # what `ucp inspect` does first
+    ucp_jax.open(src)
