@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Train across frameworks: DeepSpeed ZeRO-2 -> JAX on a 2 x 4 mesh -> DeepSpeed at DP=1 and DP=3.
 
-One GPT-style model (`ucp_jax.models.gpt` and its torch twin `gpt_torch`), fp32, one AdamW
+One GPT-style model (`ucp_jax.models.gpt` and its torch twin in `torch_twins`), fp32, one AdamW
 group, the same global token batch at every step on both sides (DeepSpeed's data-parallel ranks
 take equal slices of it):
 
@@ -123,10 +123,10 @@ def rank_main(job_path: str) -> None:
   torch.use_deterministic_algorithms(True, warn_only=True)
   import deepspeed
   import deepspeed.comm as dist
+  from torch_twins import TorchGPT
 
   from ucp_jax import deepspeed as ucp_deepspeed
   from ucp_jax.models.gpt import GPTConfig
-  from ucp_jax.models.gpt_torch import TorchGPT
 
   deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
   deepspeed.init_distributed(dist_backend="gloo")

@@ -60,7 +60,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import ucp_jax  # noqa: E402
-from ucp_jax import _reshard  # noqa: E402
+from ucp_jax.tree import _reshard  # noqa: E402
 
 ARRAYS = 16
 

@@ -1,6 +1,6 @@
 """Test helper: records what a restore asks of the chunk files (regions, files read)."""
 
-from ucp_jax import _direct
+from ucp_jax.store import _direct
 
 
 class ChunkReads:

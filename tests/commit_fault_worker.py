@@ -13,7 +13,7 @@ import sys
 import numpy as np
 
 import ucp_jax
-from ucp_jax import _commit, _direct, _writer
+from ucp_jax.store import _commit, _direct, _writer
 
 
 def die(*_args, **_kwargs):

@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ucp_jax
-from ucp_jax import _save
+from ucp_jax.tree import _save
 
 STEP = 7
 OLD_STEP = 1

@@ -28,7 +28,8 @@ from jax.sharding import PartitionSpec as P
 from test_param_groups import FLAX_GROUPS, NAME, RULES, TORCH_GROUPS, TRAINABLE, Tiny, mk
 
 import ucp_jax
-from ucp_jax import _keypath, _tree
+from ucp_jax.store import _keypath
+from ucp_jax.tree import _tree
 
 B1, B2, EPS = 0.9, 0.99, 1e-8
 DECAY = set(FLAX_GROUPS[0])

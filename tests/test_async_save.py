@@ -20,7 +20,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ucp_jax
-from ucp_jax import _multihost, _save
+from ucp_jax.store import _multihost
+from ucp_jax.tree import _save
 
 _WRITE = _save.Writer._write_entries
 
@@ -330,7 +331,7 @@ def test_failed_async_save_at_exit_is_reported(tmp_path):
   script = textwrap.dedent(
     f"""
     import numpy as np, ucp_jax
-    from ucp_jax import _writer
+    from ucp_jax.store import _writer
     def boom(self, entries, budget):
       raise OSError("disk full")
     _writer.Writer._write_entries = boom

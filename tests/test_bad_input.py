@@ -16,8 +16,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ucp_jax
-from ucp_jax import _commit, _save, _store
-from ucp_jax._manifest import seal
+from ucp_jax.store import _commit, _location
+from ucp_jax.store._manifest import seal
+from ucp_jax.tree import _save
 
 
 def _sds(shape, dtype=np.float32, spec=None):
@@ -202,7 +203,7 @@ def test_unsupported_leaves_fail_before_any_io(tmp_path):
 
 
 def test_concurrent_writer_is_turned_away(ckpt):
-  lock = _commit.Lock(_store.resolve(ckpt), token=1)
+  lock = _commit.Lock(_location.resolve(ckpt), token=1)
   lock.acquire()
   try:
     with pytest.raises(
@@ -251,7 +252,7 @@ def test_killed_save_leaves_previous_checkpoint_and_next_save_works(ckpt):
   script = textwrap.dedent(
     f"""
     import os, numpy as np, ucp_jax
-    from ucp_jax import _save
+    from ucp_jax.tree import _save
     real = _save.Writer.commit
     def die(self, manifest):
       os._exit(3)  # the process dies after writing its data, before the commit

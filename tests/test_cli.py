@@ -93,7 +93,6 @@ def test_failed_commands_print_one_line_and_commit_nothing(tmp_path, capsys):
     (["convert", src, str(tmp_path / "f" / "out")], "f is a file, not a directory"),
     (["convert", src, "memory://x"], "would vanish when ucp exits"),
     (["convert", str(FIXTURES / "tp" / "pp2" / "universal"), str(tmp_path / "u")], "TP/PP"),
-    (["inspect", src], "`ucp convert"),
     (["verify", str(tmp_path / "f")], "a file, not a checkpoint directory"),
   ]
   for argv, message in cases:
@@ -102,6 +101,21 @@ def test_failed_commands_print_one_line_and_commit_nothing(tmp_path, capsys):
     assert err.startswith("error: ") and message in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1, err
   assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
+
+
+def test_inspect_and_verify_read_a_deepspeed_folder_in_place(tmp_path, capsys):
+  src = str(FIXTURES / "deepspeed" / "z2_fp32_dp2" / "ckpt")
+  assert _cli.main(["inspect", src, "--json"]) == 0
+  listed = json.loads(capsys.readouterr().out)
+  assert _cli.main(["convert", src, str(tmp_path / "c")]) == 0
+  capsys.readouterr()
+  assert _cli.main(["inspect", str(tmp_path / "c"), "--json"]) == 0
+  converted = json.loads(capsys.readouterr().out)
+  assert listed["arrays"] == converted["arrays"] and listed["step"] == converted["step"]
+  assert listed["source"]["format"] == "deepspeed"
+  assert _cli.main(["verify", src]) == 0
+  assert f"{src}: OK, 23 arrays, 11.5 KiB read in" in capsys.readouterr().out
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
 
 
 def test_convert_onto_a_checkpoint_names_the_flag(tmp_path, capsys):
@@ -114,7 +128,7 @@ def test_convert_onto_a_checkpoint_names_the_flag(tmp_path, capsys):
 
 
 def test_os_errors_and_interrupts_are_one_line(tmp_path, capsys, monkeypatch):
-  from ucp_jax import _convert
+  from ucp_jax.sources import _convert
 
   def fail(*args, **kwargs):
     raise PermissionError(13, "Permission denied", "/data/out")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import ucp_jax
-from ucp_jax import _commit, _direct, _store
+from ucp_jax.store import _commit, _direct, _location
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "commit_fault_worker.py")
@@ -94,7 +94,7 @@ def test_a_failed_overwrite_on_an_object_store_keeps_the_old_checkpoint():
   with pytest.raises(ucp_jax.UnsupportedLeafError):
     ucp_jax.save(url, {"a": np.zeros(4), "b": Boom()}, overwrite=True)
   np.testing.assert_array_equal(ucp_jax.restore(url)["a"], np.ones(4))
-  real = _store.KvStore.write
+  real = _location.KvStore.write
 
   def failing(self, key, value, **options):
     if key == "manifest.json" and value is not None:
@@ -102,11 +102,11 @@ def test_a_failed_overwrite_on_an_object_store_keeps_the_old_checkpoint():
     return real(self, key, value, **options)
 
   try:
-    _store.KvStore.write = failing
+    _location.KvStore.write = failing
     with pytest.raises(ucp_jax.StorageError, match="the bucket went away"):
       ucp_jax.save(url, {"a": np.zeros(4)}, overwrite=True)
   finally:
-    _store.KvStore.write = real
+    _location.KvStore.write = real
   np.testing.assert_array_equal(ucp_jax.restore(url)["a"], np.ones(4))
   assert ucp_jax.open(url).verify() == {}
 
@@ -125,8 +125,8 @@ def _lock_holder(tmp_path, script):
 
 _HOLD = """
 import sys, time
-from ucp_jax import _commit, _store
-_commit.Lock(_store.resolve({path!r}), 1).acquire()
+from ucp_jax.store import _commit, _location
+_commit.Lock(_location.resolve({path!r}), 1).acquire()
 print("locked", flush=True)
 {after}
 """
@@ -186,7 +186,7 @@ def test_object_store_lock_of_a_dead_process_is_taken_over():
   import socket
 
   url = "memory://ucp_test_dead_lock"
-  store = _store.kvstore(_store.resolve(url))
+  store = _location.kvstore(_location.resolve(url))
   dead = subprocess.run(
     [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True
   )
@@ -218,13 +218,14 @@ def test_a_reader_never_mixes_two_saves(tmp_path, where):
         errors.append(e)
         return
       saves[0] += 1
+      stop.wait(0.002 * (saves[0] % 5))  # some gaps, so that some reads land between saves
 
   writer = threading.Thread(target=overwrite)
   writer.start()
   whole, replaced = 0, 0
   try:
     reads = 0
-    while saves[0] < 8 and reads < 5000:
+    while (saves[0] < 8 or whole < 3) and reads < 5000:
       reads += 1
       try:
         out = ucp_jax.restore(path)

@@ -18,8 +18,11 @@ import numpy as np
 import pytest
 
 import ucp_jax
-from ucp_jax import _cli, _convert, _torch_file
-from ucp_jax._convert_plan import jsonable, release
+from ucp_jax import _cli
+from ucp_jax.sources import _convert, _source_plan
+from ucp_jax.sources._source_plan import jsonable, release
+from ucp_jax.sources.deepspeed import _source as _ds_source
+from ucp_jax.sources.torch import _torch_file
 
 FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed"
 NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "info.json").is_file())
@@ -179,10 +182,10 @@ def test_deepspeed_universal_source_equals_direct(name, converted):
 
 def test_detects_every_kind_of_folder():
   root = FIXTURES / "z2_bf16_dp3"
-  assert _convert.detect(root / "ckpt") == ("deepspeed", str(root / "ckpt" / TAG))
-  assert _convert.detect(root / "ckpt" / TAG) == ("deepspeed", str(root / "ckpt" / TAG))
-  assert _convert.detect(root / "universal") == ("deepspeed_universal", str(root / "universal"))
-  assert _convert.detect(root) == ("deepspeed_universal", str(root / "universal"))
+  assert _ds_source.detect(root / "ckpt") == ("deepspeed", str(root / "ckpt" / TAG))
+  assert _ds_source.detect(root / "ckpt" / TAG) == ("deepspeed", str(root / "ckpt" / TAG))
+  assert _ds_source.detect(root / "universal") == ("deepspeed_universal", str(root / "universal"))
+  assert _ds_source.detect(root) == ("deepspeed_universal", str(root / "universal"))
 
 
 def test_report_and_progress(tmp_path, monkeypatch):
@@ -378,7 +381,7 @@ def test_unknown_formats(tmp_path):
   _fails(tmp_path / "empty", tmp_path / "out", "Looked for: a DeepSpeed checkpoint folder")
   (tmp_path / "empty" / "weights.bin").write_bytes(b"x")
   _fails(tmp_path / "empty", tmp_path / "out", "universal folder", "Found: weights.bin")
-  _fails(tmp_path / "empty" / "weights.bin", tmp_path / "out", "a single file")
+  _fails(tmp_path / "empty" / "weights.bin", tmp_path / "out", "not a checkpoint ucp_jax reads")
   (tmp_path / "empty" / "latest").write_text("global_step9")
   _fails(tmp_path / "empty", tmp_path / "out", "names the tag 'global_step9'")
 
@@ -387,7 +390,7 @@ def test_failed_conversion_commits_nothing(tmp_path, monkeypatch):
   src = FIXTURES / "z1_bf16_dp2" / "ckpt"
   old = ucp_jax.convert(src, tmp_path / "out")
   calls = []
-  assemble = _convert._assemble
+  assemble = _source_plan.assemble
 
   def flaky(tensor):
     calls.append(tensor)
@@ -395,7 +398,7 @@ def test_failed_conversion_commits_nothing(tmp_path, monkeypatch):
       raise ucp_jax.SourceFormatError("boom")
     return assemble(tensor)
 
-  monkeypatch.setattr(_convert, "_assemble", flaky)
+  monkeypatch.setattr(_source_plan, "assemble", flaky)
   with pytest.raises(ucp_jax.SourceFormatError, match="boom"):
     ucp_jax.convert(src, tmp_path / "out", overwrite=True)
   assert ucp_jax.open(old.dst).verify() == {}

@@ -2,7 +2,7 @@
 
 Each test splices hostile values into a copy of a real fixture (`hostile_corpus.inject` sets a
 top-level key last, so it replaces DeepSpeed's own) and converts it: every value that a reader
-would index into, count with or write out is checked first (`_deepspeed_contract`).
+would index into, count with or write out is checked first (`sources.deepspeed._contract`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import hostile_corpus as corpus
 import pytest
 
 import ucp_jax
-from ucp_jax import _convert
+from ucp_jax.sources import _source_plan
+from ucp_jax.sources.deepspeed import _source as _ds_source
 
 TAG = "global_step3"
 
@@ -164,8 +165,8 @@ def test_mutated_values_give_source_format_errors(fixture, tmp_path):
         torch.save(mutated, src / TAG / file.name)
         tried += 1
         try:
-          _, plan = _convert.read_plan(src)
-          _convert._layout(plan)
+          plan = _ds_source.describe(src)
+          _source_plan.layout(plan)
         except ucp_jax.SourceFormatError:
           pass
         shutil.rmtree(src)
@@ -203,5 +204,5 @@ def test_latest_names_one_folder_beside_it(make, message, tmp_path):
   (src / "latest").unlink()
   make(src / "latest")
   _fails(src, message)
-  with pytest.raises(ucp_jax.CheckpointNotFoundError):  # what `ucp inspect` does first
+  with pytest.raises(ucp_jax.SourceFormatError, match=message):  # `ucp inspect` reads it too
     ucp_jax.open(src)

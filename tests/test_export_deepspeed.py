@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 import ucp_jax
-from ucp_jax import _cli, _deepspeed_export
+from ucp_jax import _cli
+from ucp_jax.sinks import _deepspeed
 
 TAG = "global_step3"
 needs_torch = pytest.mark.skipif(
@@ -31,7 +32,7 @@ def _convert(src, dst):
   convert = getattr(ucp_jax, "convert", None)
   if convert is None:
     try:
-      from ucp_jax._convert import convert
+      from ucp_jax.sources._convert import convert
     except ImportError:
       pytest.skip("ucp_jax.convert has not landed")
   return convert(src, dst)
@@ -370,11 +371,11 @@ def test_failure_leaves_the_old_export_and_no_staging(tmp_path, monkeypatch):
 
 @needs_torch
 def test_concurrent_export_is_turned_away_and_dead_staging_removed(tmp_path):
-  from ucp_jax import _commit, _store
+  from ucp_jax.store import _commit, _location
 
   src = F.fixture_checkpoint("z1_fp32_dp2", tmp_path / "ckpt")
   (tmp_path / ".ds.ucp-export-00000000deadbeef" / "x").mkdir(parents=True)  # a killed export's
-  lock = _commit.Lock(_store.resolve(tmp_path / "ds"), token=7)
+  lock = _commit.Lock(_location.resolve(tmp_path / "ds"), token=7)
   lock.acquire()
   try:
     with pytest.raises(ucp_jax.ConcurrentWriteError, match="another save to this path"):
@@ -388,7 +389,7 @@ def test_concurrent_export_is_turned_away_and_dead_staging_removed(tmp_path):
 def test_torch_missing(tmp_path, monkeypatch):
   src = F.fixture_checkpoint("z1_fp32_dp2", tmp_path / "ckpt")
   monkeypatch.setitem(sys.modules, "torch", None)
-  with pytest.raises(_deepspeed_export.MissingDependencyError) as e:
+  with pytest.raises(_deepspeed.MissingDependencyError) as e:
     ucp_jax.export(src, tmp_path / "ds")
   assert isinstance(e.value, ImportError) and isinstance(e.value, ucp_jax.UcpError)
   assert "pip install 'ucp_jax[torch]'" in str(e.value)

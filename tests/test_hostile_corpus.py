@@ -34,7 +34,7 @@ _LIMITED = (
 )
 _READ = (  # what the CLI does with an error, around the safe reader
   "import sys\n"
-  "from ucp_jax import _errors, _torch_file\n"
+  "from ucp_jax import _errors\nfrom ucp_jax.sources.torch import _torch_file\n"
   "try:\n"
   "  _torch_file.load(sys.argv[1])\n"
   "except (_errors.UcpError, OSError) as e:\n"

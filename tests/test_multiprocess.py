@@ -179,7 +179,10 @@ def test_failed_save_commits_nothing(tmp_path):
   elsewhere = "failed on another process (see its log)"
   for name in ("write_fresh", "write_old"):
     assert errors[0][name].endswith(f"writing shards {elsewhere}")
-    assert errors[1][name] == "OSError: injected write failure on process 1"
+    assert errors[1][name].startswith("StorageError: ") and errors[1][name].endswith(
+      ": writing shards: injected write failure on process 1. Nothing was committed; the "
+      "checkpoint there before, if any, is intact."
+    )
   assert errors[0]["plan_old"].endswith(f"checking the tree {elsewhere}")
   assert errors[1]["plan_old"].startswith("UnsupportedLeafError: cannot save these leaves")
   assert errors[0]["locked"].startswith("ConcurrentWriteError: ")

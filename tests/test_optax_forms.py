@@ -46,7 +46,7 @@ from optax_forms import (
 )
 
 import ucp_jax
-from ucp_jax import _tree
+from ucp_jax.tree import _tree
 
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
 SGD_HYPER = {"lr": 0.01, "momentum": 0.9, "weight_decay": 0.0}

@@ -14,8 +14,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ucp_jax
-from ucp_jax import _save
 from ucp_jax.orbax import UcpCheckpointHandler, UcpRestore, UcpSave
+from ucp_jax.tree import _save
 
 _WRITE = _save.Writer._write_entries
 

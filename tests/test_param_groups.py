@@ -25,9 +25,9 @@ import pytest
 from flax import nnx
 
 import ucp_jax
-from ucp_jax import _tree
 from ucp_jax import deepspeed as ucp_deepspeed
 from ucp_jax.rules import Rule, RuleSet, transpose
+from ucp_jax.tree import _tree
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import make_deepspeed_fixtures as mk

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ucp_jax import _pattern_flat as pf
-from ucp_jax import _pattern_rules as pr
-from ucp_jax import _patterns as pt
 from ucp_jax._errors import MappingError
+from ucp_jax.parallel import _pattern_flat as pf
+from ucp_jax.parallel import _pattern_rules as pr
+from ucp_jax.parallel import _patterns as pt
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 

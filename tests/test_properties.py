@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ucp_jax
-from ucp_jax import _store
+from ucp_jax.store import _zarr
 
 MESH_SHAPES = [
   ((8,), ("a",)),
@@ -89,7 +89,7 @@ def test_round_trip_random_layouts(tmp_path_factory, src, dst_mesh, seed, chunk_
 def test_chunks_divide_sharded_dims_and_respect_limit(shape, splits, itemsize, limit):
   shape = tuple(s * k for s, k in zip(shape, splits))
   shard = tuple(s // k for s, k in zip(shape, splits))
-  chunks = _store.choose_chunks(shape, shard, itemsize, limit)
+  chunks = _zarr.choose_chunks(shape, shard, itemsize, limit)
   for full, sh, c in zip(shape, shard, chunks):
     assert 1 <= c <= max(1, sh)
     if sh < full:
@@ -100,7 +100,7 @@ def test_chunks_divide_sharded_dims_and_respect_limit(shape, splits, itemsize, l
 
 @given(st.lists(st.text(min_size=0, max_size=6), min_size=1, max_size=4))
 def test_key_parts_round_trip(parts):
-  from ucp_jax import _keypath
+  from ucp_jax.store import _keypath
 
   key = _keypath.join(parts)
   assert _keypath.split(key) == parts

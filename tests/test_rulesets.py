@@ -8,11 +8,12 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 
 import ucp_jax
-from ucp_jax import _tree, rules
+from ucp_jax import rules
 from ucp_jax.models import gpt, llama
+from ucp_jax.tree import _tree
 
 torch = pytest.importorskip("torch")
-from ucp_jax.models import gpt_torch, llama_torch  # noqa: E402  (needs torch)
+from torch_twins import TorchGPT, TorchLlama  # noqa: E402  (needs torch; in scripts/)
 
 GPT = gpt.GPTConfig(vocab_size=96, max_len=16, num_layers=3, num_heads=4, d_model=32)
 LLAMA = llama.LlamaConfig(vocab_size=96, num_layers=3, num_heads=8, num_kv_heads=4, d_model=32)
@@ -20,14 +21,14 @@ LLAMA = llama.LlamaConfig(vocab_size=96, num_layers=3, num_heads=8, num_kv_heads
 MODELS = {
   "gpt": (
     GPT,
-    lambda: gpt_torch.TorchGPT(GPT),
+    lambda: TorchGPT(GPT),
     lambda scan: gpt.FlaxGPT(GPT, rngs=nnx.Rngs(0), scan=scan),
     lambda stacked: rules.gpt2(num_heads=GPT.num_heads, stacked=stacked),
     gpt.tp_state,
   ),
   "llama": (
     LLAMA,
-    lambda: llama_torch.TorchLlama(LLAMA),
+    lambda: TorchLlama(LLAMA),
     lambda scan: llama.FlaxLlama(LLAMA, rngs=nnx.Rngs(0), scan=scan),
     lambda stacked: rules.llama(
       num_heads=LLAMA.num_heads, num_kv_heads=LLAMA.num_kv_heads, stacked=stacked

@@ -203,7 +203,8 @@ def test_target_of_arrays_and_bare_shardings(tmp_path):
 
 
 def test_slice_shared_by_devices_is_read_once(tmp_path, monkeypatch):
-  from ucp_jax import _direct, _restore
+  from ucp_jax.store import _direct
+  from ucp_jax.tree import _restore
 
   data = _data((8, 8))
   ucp_jax.save(tmp_path / "c", {"w": data}, chunk_bytes=64)  # 4 chunks of 2 rows
@@ -364,7 +365,7 @@ def test_restore_slices_smaller_than_a_chunk(tmp_path):
 
 
 def test_local_zstd_round_trip_and_both_read_paths_agree(tmp_path, monkeypatch):
-  from ucp_jax import _direct
+  from ucp_jax.store import _direct
 
   data = _data((64, 16))
   sharding = NamedSharding(MESHES["2x4"](), P("x", "y"))
@@ -386,7 +387,7 @@ def test_local_zstd_round_trip_and_both_read_paths_agree(tmp_path, monkeypatch):
 
 
 def test_save_bounds_host_bytes_in_flight(tmp_path, monkeypatch):
-  from ucp_jax import _writer
+  from ucp_jax.store import _writer
 
   inflight, peak = [0], [0]
   original = _writer.Writer._write

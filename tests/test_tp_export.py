@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import ucp_jax
-from ucp_jax import _deepspeed_tp, _torch_file
+from ucp_jax.sources.deepspeed import _tp
+from ucp_jax.sources.torch import _torch_file
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "tp")
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
@@ -39,7 +40,7 @@ def test_pattern_keys_match_ds_to_universal(tmp_path, name):
     theirs = _meta(_torch_file.load(os.path.join(zero, param, "fp32.pt")))
     if name.startswith("autotp"):  # AutoTP's affine maps replace these keys; keep vocab_tensor
       theirs = {k: v for k, v in theirs.items() if k == "vocab_tensor"}
-    meta = _deepspeed_tp.universal_meta(params[param]["pattern"], param)
+    meta = _tp.universal_meta(params[param]["pattern"], param)
     torch.save(meta, tmp_path / "m.pt")
     ours = _meta(_torch_file.load(tmp_path / "m.pt"))
     if name.startswith("autotp"):

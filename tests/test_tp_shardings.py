@@ -9,7 +9,7 @@ from chunk_reads import ChunkReads
 from jax.sharding import PartitionSpec as P
 
 import ucp_jax
-from ucp_jax import _chunks, _direct
+from ucp_jax.store import _chunks, _direct
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "tp", "autotp_tp2_dp2", "ckpt")
 
@@ -24,7 +24,7 @@ def converted(tmp_path_factory):
 def _leaves(tree):
   return dict(
     zip(
-      [ucp_jax._keypath.from_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)],
+      [ucp_jax.store._keypath.from_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)],
       jax.tree_util.tree_leaves(tree),
     )
   )
@@ -90,7 +90,7 @@ def test_a_device_slice_reads_only_its_chunks(converted, monkeypatch):
 
 
 def test_patterns_map_to_specs():
-  from ucp_jax._tp_shardings import spec_for
+  from ucp_jax.parallel._tp_shardings import spec_for
 
   mesh = jax.make_mesh((2, 4), ("data", "model"))
   assert spec_for({"kind": "row", "cat_dim": 1}, (8, 12), mesh, "model", "expert") == P(

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 
 import ucp_jax
-from ucp_jax import _deepspeed_tp, _torch_file
-from ucp_jax import _pattern_flat as pf
-from ucp_jax import _pattern_rules as pr
-from ucp_jax import _patterns as pt
 from ucp_jax._errors import MappingError
+from ucp_jax.parallel import _pattern_flat as pf
+from ucp_jax.parallel import _pattern_rules as pr
+from ucp_jax.parallel import _patterns as pt
+from ucp_jax.sources.deepspeed import _tp
+from ucp_jax.sources.torch import _torch_file
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "tp")
 REAL = ["autotp_tp2_dp1", "autotp_tp2_dp2", "pp2", "pp2_tp2"]
@@ -124,7 +125,7 @@ def test_user_rules_override_and_unused_rules_are_errors(tmp_path):
 
 
 def test_without_universal_info_every_parameter_needs_a_rule(tmp_path, monkeypatch):
-  monkeypatch.setattr(_deepspeed_tp, "union_info", lambda infos: {})
+  monkeypatch.setattr(_tp, "union_info", lambda infos: {})
   with pytest.raises(MappingError) as e:
     _convert("autotp_tp2_dp1", tmp_path)
   text = str(e.value)
@@ -140,7 +141,7 @@ def test_ds_to_universal_misreads_autotp_pipelines_without_merged_info():
   stages = info["per_stage_universal_checkpoint_info"]
   first = set(stages[0]["tp_replicated_parameter_patterns"])
   assert r"^4\.weight$" not in first
-  union = _deepspeed_tp.union_info(stages)
+  union = _tp.union_info(stages)
   assert r"^4\.weight$" in union["tp_replicated_parameter_patterns"]
   assert pr.classify(["4.weight"], info=union) == {"4.weight": pt.replicated()}
 

@@ -208,7 +208,7 @@ def test_converted_checkpoint_problems_are_listed_at_once(tmp_path):
 
 def test_flax_train_state_exports_to_deepspeed_names_and_layouts(tmp_path):
   pytest.importorskip("torch")
-  from ucp_jax import _torch_file
+  from ucp_jax.sources.torch import _torch_file
 
   cfg = gpt.GPTConfig(vocab_size=32, max_len=8, num_layers=2, num_heads=4, d_model=16)
   rules = ucp_jax.rules.gpt2(num_heads=4)

@@ -18,8 +18,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ucp_jax
-from ucp_jax import _store
 from ucp_jax import rules as R
+from ucp_jax.store import _location
 
 _ids = itertools.count()
 A = np.arange(64, dtype=np.float32).reshape(8, 8)
@@ -41,7 +41,7 @@ class _Chunks:
   def __init__(self, where):
     self.path = where
     data = ucp_jax.open(where).manifest.data  # "" on disk, this save's generation on memory://
-    self.store = _store.kvstore(_store.resolve(where).child(data))
+    self.store = _location.kvstore(_location.resolve(where).child(data))
 
   def get(self, key):
     return self.store.read(key).result().value
@@ -120,7 +120,7 @@ def test_undamaged_checkpoints_read_back_exactly(saved):
 
 def _reseal(path, edit):
   """Rewrites the manifest with `edit` applied and a valid checksum (a crafted manifest)."""
-  from ucp_jax._manifest import seal
+  from ucp_jax.store._manifest import seal
 
   manifest = os.path.join(path, "manifest.json")
   with open(manifest) as f:

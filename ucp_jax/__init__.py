@@ -5,6 +5,7 @@ TensorStore, plus a manifest), never the layout that wrote them: save from any
 mesh, restore onto any other, and convert PyTorch/DeepSpeed checkpoints in and out.
 """
 
+from ucp_jax import sources as _sources  # noqa: F401  (lets `open` read other formats)
 from ucp_jax._errors import CheckpointExistsError as CheckpointExistsError
 from ucp_jax._errors import CheckpointNotFoundError as CheckpointNotFoundError
 from ucp_jax._errors import ConcurrentWriteError as ConcurrentWriteError
@@ -23,28 +24,28 @@ from ucp_jax._errors import TreeMismatchError as TreeMismatchError
 from ucp_jax._errors import UcpError as UcpError
 from ucp_jax._errors import UnsafePickleError as UnsafePickleError
 from ucp_jax._errors import UnsupportedLeafError as UnsupportedLeafError
-from ucp_jax._manifest import ArrayInfo as ArrayInfo
-from ucp_jax._manifest import Manifest as Manifest
-from ucp_jax._reader import Checkpoint as Checkpoint
-from ucp_jax._reader import open as open
+from ucp_jax.store._manifest import ArrayInfo as ArrayInfo
+from ucp_jax.store._manifest import Manifest as Manifest
+from ucp_jax.store._reader import Checkpoint as Checkpoint
+from ucp_jax.store._reader import open as open
 
 # The rest loads on first use (PEP 562), so `ucp inspect`, `ucp convert` and the
 # converters start without importing jax.
 _LAZY = {
   "rules": ("ucp_jax.rules", None),
-  "SaveHandle": ("ucp_jax._async", "SaveHandle"),
-  "save_async": ("ucp_jax._async", "save_async"),
-  "wait_until_finished": ("ucp_jax._async", "wait_until_finished"),
-  "ConvertReport": ("ucp_jax._convert", "ConvertReport"),
-  "convert": ("ucp_jax._convert", "convert"),
-  "ExportReport": ("ucp_jax._export", "ExportReport"),
-  "export": ("ucp_jax._export", "export"),
-  "reshard": ("ucp_jax._reshard", "reshard"),
-  "restore": ("ucp_jax._restore", "restore"),
-  "save": ("ucp_jax._save", "save"),
-  "tp_shardings": ("ucp_jax._tp_shardings", "tp_shardings"),
-  "restore_train_state": ("ucp_jax._train_state", "restore_train_state"),
-  "save_train_state": ("ucp_jax._train_state", "save_train_state"),
+  "SaveHandle": ("ucp_jax.tree._pending", "SaveHandle"),
+  "save_async": ("ucp_jax.tree._async", "save_async"),
+  "wait_until_finished": ("ucp_jax.tree._pending", "wait_until_finished"),
+  "ConvertReport": ("ucp_jax.sources._convert", "ConvertReport"),
+  "convert": ("ucp_jax.sources._convert", "convert"),
+  "ExportReport": ("ucp_jax.sinks._report", "ExportReport"),
+  "export": ("ucp_jax.sinks._export", "export"),
+  "reshard": ("ucp_jax.tree._reshard", "reshard"),
+  "restore": ("ucp_jax.tree._restore", "restore"),
+  "save": ("ucp_jax.tree._save", "save"),
+  "tp_shardings": ("ucp_jax.parallel._tp_shardings", "tp_shardings"),
+  "restore_train_state": ("ucp_jax.integrations._train_state", "restore_train_state"),
+  "save_train_state": ("ucp_jax.integrations._train_state", "save_train_state"),
 }
 
 

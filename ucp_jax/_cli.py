@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -13,7 +12,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from ucp_jax import _errors, _reader
+from ucp_jax import _errors
+from ucp_jax.store import _reader
 
 _COMMANDS = {}
 
@@ -87,23 +87,8 @@ class Reporter:
 
 
 def _open(path: str) -> _reader.Checkpoint:
-  """Opens a checkpoint; for a DeepSpeed folder, says to convert it first."""
-  try:
-    return _reader.open(path)
-  except _errors.CheckpointNotFoundError as e:
-    if "://" not in path and os.path.isdir(path):
-      from ucp_jax import _convert
-
-      try:
-        kind, _ = _convert.detect(path)
-      except (_errors.UcpError, OSError):
-        raise e from None
-      label = "DeepSpeed universal" if kind == "deepspeed_universal" else "DeepSpeed"
-      raise _errors.CheckpointNotFoundError(
-        f"{e}; it holds a {label} checkpoint: `ucp convert {path} DST` makes a ucp_jax "
-        "checkpoint of it"
-      ) from None
-    raise
+  """Opens a ucp_jax checkpoint, or any other format a source recognizes (read-only)."""
+  return _reader.open(path)
 
 
 @_command
@@ -138,7 +123,10 @@ def cmd_inspect(args, out: Console, err: Console) -> int:
   table.add_row(f"{len(m.arrays)} arrays", "", "", _human(m.nbytes))
   out.print(table)
   framework = m.source.get("framework", "?")
-  out.print(f"source: {framework}; created {m.created}; format v{m.format_version}")
+  if not ckpt.checksummed:
+    out.print(f"a {m.source['format']} checkpoint, read in place (`ucp convert` makes a copy)")
+  else:
+    out.print(f"source: {framework}; created {m.created}; format v{m.format_version}")
   return 0
 
 
@@ -156,19 +144,19 @@ def cmd_verify(args, out: Console, err: Console) -> int:
     return 1
   out.print(
     f"{ckpt.location}: OK, {len(ckpt.keys())} arrays, {_human(ckpt.nbytes)} "
-    f"read and checksummed in {seconds:.2f} s"
+    f"{'read and checksummed' if ckpt.checksummed else 'read'} in {seconds:.2f} s"
   )
   return 0
 
 
 @_command
 def cmd_convert(args, out: Console, err: Console) -> int:
-  from ucp_jax import _convert
+  from ucp_jax.sources import _convert
 
   _outlives_process(args.dst)
   with Reporter(err, "convert") as progress:
     report = _convert.convert(
-      args.src, args.dst, overwrite=args.overwrite, progress=progress.update
+      args.src, args.dst, source=args.source, overwrite=args.overwrite, progress=progress.update
     )
   out.print(
     f"{report.dst}: {report.params} params, {report.arrays} arrays, {_human(report.bytes)}, "
@@ -180,26 +168,22 @@ def cmd_convert(args, out: Console, err: Console) -> int:
 
 @_command
 def cmd_export(args, out: Console, err: Console) -> int:
-  from ucp_jax import _export
+  from ucp_jax.sinks import _export
 
   rules = _rule_set(args.rules)
+  options = {k: getattr(args, k) for k in ("zero_stage", "tag") if getattr(args, k) is not None}
   with Reporter(err, "export") as progress:
     report = _export.export(
       args.checkpoint,
       args.dst,
       format=args.format,
-      zero_stage=args.zero_stage,
-      tag=args.tag,
       overwrite=args.overwrite,
       rules=rules,
       progress=progress.update,
+      **options,
     )
-  stages = "/".join(str(s) for s in report.zero_stages)
   out.print(
-    f"{report.path}: DeepSpeed universal checkpoint {report.tag} (step {report.step}) for "
-    f"ZeRO-{stages} targets: {report.params} trainable params, {len(report.frozen)} frozen, "
-    f"{len(report.buffers)} buffers, {len(report.tied)} tied; {_human(report.nbytes)} in "
-    f"{report.seconds:.2f} s",
+    f"{report.path}: {report.summary}; {_human(report.nbytes)} in {report.seconds:.2f} s",
     markup=False,
   )
   for note in report.notes:
@@ -267,23 +251,35 @@ def build_parser() -> argparse.ArgumentParser:
     "2 bad input or a failed command; 130 interrupted",
   )
   sub = parser.add_subparsers(dest="command", required=True)
-  p = sub.add_parser("inspect", help="list a checkpoint's arrays (key, shape, dtype, bytes)")
+  p = sub.add_parser(
+    "inspect", help="list a checkpoint's arrays (key, shape, dtype, bytes); any source format"
+  )
   p.add_argument("checkpoint")
   p.add_argument("--json", action="store_true", help="machine-readable output")
   p = sub.add_parser("verify", help="read every chunk, check checksums against the manifest")
   p.add_argument("checkpoint")
-  p = sub.add_parser("convert", help="a DeepSpeed checkpoint -> a universal checkpoint")
-  p.add_argument("src", help="DeepSpeed checkpoint folder, tag folder or universal folder")
+  from ucp_jax.sources import _registry as sources
+
+  p = sub.add_parser("convert", help="a checkpoint of another format -> a universal checkpoint")
+  p.add_argument("src", help="a DeepSpeed folder (or another source's checkpoint)")
   p.add_argument("dst", help="where the universal checkpoint goes")
-  p.add_argument("--overwrite", action="store_true", help="replace a checkpoint at DST")
-  p = sub.add_parser("export", help="a universal checkpoint -> DeepSpeed (load_universal)")
-  p.add_argument("checkpoint", help="a checkpoint with a parameter schema")
-  p.add_argument("dst", help="where the DeepSpeed universal checkpoint goes")
-  p.add_argument("--format", default="deepspeed", choices=["deepspeed"])
   p.add_argument(
-    "--zero-stage", type=int, choices=[1, 2, 3], help="target ZeRO stage (default: all)"
+    "--from",
+    dest="source",
+    choices=list(sources.SOURCES),
+    help="the source's format (default: found from its files)",
   )
-  p.add_argument("--tag", help="checkpoint tag (default: global_step<N>)")
+  p.add_argument("--overwrite", action="store_true", help="replace a checkpoint at DST")
+  from ucp_jax.sinks import _registry as sinks
+
+  p = sub.add_parser("export", help="a checkpoint -> another framework's format")
+  p.add_argument("checkpoint", help="a checkpoint with a parameter schema")
+  p.add_argument("dst", help="where the export goes")
+  p.add_argument("--format", default="deepspeed", choices=sorted(sinks.SINKS))
+  p.add_argument(
+    "--zero-stage", type=int, choices=[1, 2, 3], help="deepspeed: target ZeRO stage (default: all)"
+  )
+  p.add_argument("--tag", help="deepspeed: checkpoint tag (default: global_step<N>)")
   p.add_argument("--overwrite", action="store_true", help="replace an export at DST")
   p.add_argument(
     "--rules",

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 
-from ucp_jax import _deepspeed_export
+from ucp_jax.sinks import _deepspeed
 
 
 def finish_load(engine, load_dir: str | os.PathLike, tag: str | None = None) -> list[str]:
@@ -62,10 +62,10 @@ def finish_load(engine, load_dir: str | os.PathLike, tag: str | None = None) -> 
 
   load_dir = os.fspath(load_dir)
   if tag is None:
-    with open(os.path.join(load_dir, _deepspeed_export.LATEST)) as f:
+    with open(os.path.join(load_dir, _deepspeed.LATEST)) as f:
       tag = f.read().strip()
   zero3 = engine.zero_optimization_partition_weights()
-  name = _deepspeed_export.MODEL_STATES_3 if zero3 else _deepspeed_export.MODEL_STATES_1_2
+  name = _deepspeed.MODEL_STATES_3 if zero3 else _deepspeed.MODEL_STATES_1_2
   # DeepSpeed's load_checkpoint has just loaded these files with weights_only=False; the
   # files ucp_jax writes also load with weights_only=True, ds_to_universal's do not.
   states = torch.load(os.path.join(load_dir, tag, name), map_location="cpu", weights_only=False)

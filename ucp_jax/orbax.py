@@ -12,8 +12,8 @@
 Each step's item is a plain ucp_jax checkpoint (`ucp_jax.open("ckpts/100/default")`).
 """
 
-from ucp_jax._orbax import UcpCheckpointHandler as UcpCheckpointHandler
-from ucp_jax._orbax import UcpRestore as UcpRestore
-from ucp_jax._orbax import UcpSave as UcpSave
+from ucp_jax.integrations._orbax import UcpCheckpointHandler as UcpCheckpointHandler
+from ucp_jax.integrations._orbax import UcpRestore as UcpRestore
+from ucp_jax.integrations._orbax import UcpSave as UcpSave
 
 __all__ = ["UcpCheckpointHandler", "UcpRestore", "UcpSave"]

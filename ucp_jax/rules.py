@@ -23,13 +23,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ucp_jax._mapped import MappedCheckpoint as MappedCheckpoint
-from ucp_jax._mapping import RuleSet as RuleSet
-from ucp_jax._rule import Rule as Rule
-from ucp_jax._rulesets import gpt2 as gpt2
-from ucp_jax._rulesets import llama as llama
-from ucp_jax._transforms import Cast, Merge, Split, Stack, Transpose
-from ucp_jax._transforms import Transform as Transform
+from ucp_jax.mapping._mapped import MappedCheckpoint as MappedCheckpoint
+from ucp_jax.mapping._mapping import RuleSet as RuleSet
+from ucp_jax.mapping._rule import Rule as Rule
+from ucp_jax.mapping._rulesets import gpt2 as gpt2
+from ucp_jax.mapping._rulesets import llama as llama
+from ucp_jax.mapping._transforms import Cast, Merge, Split, Stack, Transpose
+from ucp_jax.mapping._transforms import Transform as Transform
 
 
 def transpose(axes: Sequence[int] | None = None) -> Transform:

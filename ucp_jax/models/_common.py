@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from ucp_jax import _keypath
+from ucp_jax.store import _keypath
 
 
 class Projection(nnx.Module):

@@ -1,6 +1,6 @@
 """A small GPT-2 in Flax NNX: pre-LN blocks, tanh GELU, causal attention, learned positions.
 
-Its twin in PyTorch is `ucp_jax.models.gpt_torch.TorchGPT`; `ucp_jax.rules.gpt2`
+Its twin in PyTorch is `TorchGPT` (scripts/torch_twins.py); `ucp_jax.rules.gpt2`
 maps the torch state dict onto `nnx.state(FlaxGPT(...))` and back.
 """
 

@@ -1,6 +1,6 @@
 """A small Llama in Flax NNX: RMSNorm, SwiGLU, rotate-half RoPE, grouped-query attention.
 
-Its twin in PyTorch is `ucp_jax.models.llama_torch.TorchLlama`; `ucp_jax.rules.llama`
+Its twin in PyTorch is `TorchLlama` (scripts/torch_twins.py); `ucp_jax.rules.llama`
 maps the torch state dict onto `nnx.state(FlaxLlama(...))` and back.
 """
 

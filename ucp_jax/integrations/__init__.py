@@ -1,0 +1,1 @@
+"""Integrations with training libraries: Flax NNX / Linen train states, Optax, Orbax."""

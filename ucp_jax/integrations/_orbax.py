@@ -1,0 +1,147 @@
+"""The ucp_jax format inside Orbax's `CheckpointManager`, as a checkpoint handler.
+
+Orbax keeps the steps (latest step, `max_to_keep`, `save_interval_steps`, async
+saves, atomic step directories); the handler writes each item as a plain ucp_jax
+checkpoint at `STEP/ITEM`, which `ucp_jax.open` and `ucp_jax.restore` read
+directly. An async save copies the state to host memory in `async_save` and
+returns a future that writes and commits it in Orbax's background thread, after
+Orbax has created the step directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import orbax.checkpoint as ocp
+from etils import epath
+from orbax.checkpoint import future as ocp_future
+
+from ucp_jax import _errors
+from ucp_jax.store import _manifest, _reader, _zarr
+from ucp_jax.tree import _async, _restore, _save
+
+
+class UcpCheckpointHandler(ocp.AsyncCheckpointHandler):
+  """Saves and restores a pytree as a ucp_jax checkpoint (args: `UcpSave`, `UcpRestore`).
+
+  Orbax picks it from the args' type, so it need not be named to the manager.
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp, orbax.checkpoint as ocp
+    >>> from ucp_jax.orbax import UcpRestore, UcpSave
+    >>> manager = ocp.CheckpointManager(tempfile.mkdtemp())
+    >>> manager.save(1, args=UcpSave({"w": jnp.ones(4)}, step=1))
+    True
+    >>> manager.wait_until_finished()
+    >>> manager.restore(manager.latest_step(), args=UcpRestore({"w": jnp.zeros(4)}))["w"]
+    Array([1., 1., 1., 1.], dtype=float32)
+  """
+
+  async def async_save(self, directory: epath.Path, args: UcpSave) -> list[ocp_future.Future]:
+    """Copies the state to host memory; returns the future that writes and commits it."""
+    _check_fresh(directory)
+    job = _async.snapshot(
+      str(directory),
+      args.item,
+      overwrite=False,  # Orbax hands out a fresh directory for every step
+      compression=args.compression,
+      max_host_bytes=args.max_host_bytes,
+      durable=args.durable,
+      step=args.step,
+      metadata=args.metadata,
+      chunk_bytes=args.chunk_bytes,
+      schema=None,
+      source=None,
+    )
+
+    async def write() -> None:
+      job.run()
+
+    # Waits for the directory Orbax may still be creating, then writes.
+    return [ocp_future.CommitFutureAwaitingContractedSignals(write(), name="ucp_jax_save")]
+
+  def save(self, directory: epath.Path, args: UcpSave) -> None:
+    """Saves synchronously (used by Orbax when the handler is not run asynchronously)."""
+    _check_fresh(directory)
+    _save.save(
+      str(directory),
+      args.item,
+      step=args.step,
+      metadata=args.metadata,
+      compression=args.compression,
+      max_host_bytes=args.max_host_bytes,
+      chunk_bytes=args.chunk_bytes,
+      durable=args.durable,
+    )
+
+  def restore(self, directory: epath.Path, args: UcpRestore | None = None) -> Any:
+    """Restores onto `args.target` (see `ucp_jax.restore`); without args, numpy arrays."""
+    args = args or UcpRestore()
+    return _restore.restore(
+      str(directory),
+      args.target,
+      subtree=args.subtree,
+      partial=args.partial,
+      cast=args.cast,
+      max_host_bytes=args.max_host_bytes,
+    )
+
+  def metadata(self, directory: epath.Path) -> _manifest.Manifest:
+    """The checkpoint's manifest: step, arrays (shape, dtype), tree, user metadata."""
+    return _reader.open(str(directory)).manifest
+
+
+def _check_fresh(directory: epath.Path) -> None:
+  """The handler's directory must be its own: Orbax gives each item of a step a fresh one."""
+  path = epath.Path(directory)
+  names = sorted(p.name for p in path.iterdir()) if path.exists() else []
+  if names:
+    raise _errors.CheckpointExistsError(
+      f"{directory}: UcpCheckpointHandler writes a ucp_jax checkpoint into a directory of its "
+      f"own, and this one holds {names}. Use it for an item of ocp.CheckpointManager or "
+      "ocp.args.Composite (a plain ocp.Checkpointer puts its own metadata in the directory), "
+      "or ucp_jax.save for a checkpoint outside Orbax."
+    )
+
+
+@ocp.args.register_with_handler(UcpCheckpointHandler, for_save=True)
+@dataclasses.dataclass
+class UcpSave(ocp.args.CheckpointArgs):
+  """Orbax save args: `item` (the state) and the options of `ucp_jax.save`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from ucp_jax.orbax import UcpSave
+    >>> UcpSave({"w": jnp.ones(2)}, step=7, metadata={"run": "a"}).step
+    7
+  """
+
+  item: Any
+  _: dataclasses.KW_ONLY
+  step: int | None = None
+  metadata: dict | None = None
+  compression: str | None = None
+  max_host_bytes: int = _save.DEFAULT_HOST_BYTES
+  chunk_bytes: int = _zarr.CHUNK_BYTES
+  durable: bool = True
+
+
+@ocp.args.register_with_handler(UcpCheckpointHandler, for_restore=True)
+@dataclasses.dataclass
+class UcpRestore(ocp.args.CheckpointArgs):
+  """Orbax restore args: `target` and the options of `ucp_jax.restore`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from ucp_jax.orbax import UcpRestore
+    >>> UcpRestore({"w": jax.ShapeDtypeStruct((2,), jnp.float32)}, partial=True).partial
+    True
+  """
+
+  target: Any = None
+  _: dataclasses.KW_ONLY
+  subtree: str | None = None
+  partial: bool = False
+  cast: bool = False
+  max_host_bytes: int = _save.DEFAULT_HOST_BYTES

@@ -1,0 +1,1 @@
+"""Parallel patterns: how TP/PP/EP ranks split a parameter, merged and split back."""

@@ -1,0 +1,1 @@
+"""Sinks: a checkpoint with a parameter schema -> files another framework loads."""

@@ -1,0 +1,97 @@
+"""A Flax-named checkpoint seen with torch names and layouts, for export.
+
+`save_train_state` names parameters by their Flax keys (`blocks/0/mlp/fc/kernel`,
+`[in, out]`). DeepSpeed needs the torch names and layouts (`h.0.mlp.fc.weight`,
+`[out, in]`). A rule set run backwards (`RuleSet.export_arrays`) maps the values and
+every optimizer slot; the result is a torch-named checkpoint in memory that the
+exporter reads like a converted one.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from ucp_jax import _errors
+from ucp_jax.store import _reader
+from ucp_jax.tree import _save
+
+_counter = itertools.count()
+
+
+def torch_named(ckpt: _reader.Checkpoint, rules) -> _reader.Checkpoint:
+  """`ckpt` (naming "flax") as a torch-named checkpoint with the same schema otherwise.
+
+  Holds every parameter, slot and buffer in host memory once.
+
+  Raises:
+    MappingError: keys the rules cannot map back (all listed).
+  """
+  schema = ckpt.manifest.schema or {}
+  params = schema.get("params") or {}
+  roles: dict[str, dict[str, np.ndarray]] = {"params": {}}
+  for name, entry in params.items():
+    roles["params"][name] = ckpt.read(entry["value"])
+    for slot, key in (entry.get("slots") or {}).items():
+      roles.setdefault(slot, {})[name] = ckpt.read(key)
+  mapped = {role: rules.export_arrays(arrays) for role, arrays in roles.items()}
+  buffers = {}
+  if schema.get("buffers"):
+    buffers = rules.export_arrays({n: ckpt.read(k) for n, k in schema["buffers"].items()})
+
+  names = list(mapped["params"])
+  tied = _tied(mapped["params"])
+  flax_key = {
+    n: key for key, sources in rules.map_names(names, partial=True).items() for n in sources
+  }
+  entries = {n: params.get(flax_key.get(n)) or {} for n in names}
+  frozen = {n for n in names if entries[n].get("frozen", False)}  # a value, no slots
+  missing = [
+    f"{role}: {n}"
+    for role, arrays in mapped.items()
+    for n in names
+    if n not in arrays and n not in tied and (role == "params" or n not in frozen)
+  ]
+  if missing:
+    raise _errors.MappingError(
+      f"{ckpt.location}: slots missing after mapping back to torch names:\n"
+      + _errors.bullet_list(missing)
+    )
+  tree = {
+    role: {n: a for n, a in arrays.items() if n not in tied} for role, arrays in mapped.items()
+  }
+  if buffers:
+    tree["buffers"] = buffers
+  new_params = {}
+  for name in names:
+    if name in tied:
+      new_params[name] = {"tied_to": tied[name]}
+      continue
+    slots = {role: f"{role}/{name}" for role in mapped if role != "params" and name in mapped[role]}
+    new_params[name] = {
+      "value": f"params/{name}",
+      "slots": slots,
+      "group": entries[name].get("group", 0),
+      "frozen": not slots,
+    }
+  new_schema = {
+    **schema,
+    "naming": "torch",
+    "params": new_params,
+    "buffers": {n: f"buffers/{n}" for n in buffers},
+  }
+  location = f"memory://ucp_export_flax/{next(_counter)}"
+  _save.save(location, tree, step=ckpt.step, schema=new_schema, source=ckpt.manifest.source)
+  return _reader.open(location)
+
+
+def _tied(arrays: dict[str, np.ndarray]) -> dict[str, str]:
+  """Names whose array is another name's array (a tied rule writes the same object)."""
+  first: dict[int, str] = {}
+  tied = {}
+  for name, array in arrays.items():
+    owner = first.setdefault(id(array), name)
+    if owner != name:
+      tied[name] = owner
+  return tied

@@ -1,0 +1,287 @@
+"""The parameter schema of a checkpoint, checked and resolved for export.
+
+`plan(ckpt)` reads the manifest's schema (docs/schema.md), checks it against the
+stored arrays and returns an `ExportPlan`: which array is which parameter, slot,
+buffer; the param groups; the step. Every problem is collected and raised once,
+before any array is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ucp_jax import _errors
+from ucp_jax.store import _reader
+
+SCHEMA_VERSION = 1
+ADAM_SLOTS = ("exp_avg", "exp_avg_sq")
+_ADAM_TYPES = ("adam", "adamw")
+
+HOW_TO_GET_A_SCHEMA = (
+  "A plain `ucp_jax.save(tree)` records none. Save the train state with the Flax/Optax "
+  "helpers (they fill `schema=`), pass `schema=` to `ucp_jax.save` yourself (docs/schema.md), "
+  "or convert a DeepSpeed checkpoint with `ucp convert` / `ucp_jax.convert`."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+  """One parameter: its value's key, its slots' keys (trainable only), its group."""
+
+  name: str
+  value: str
+  shape: tuple[int, ...]
+  dtype: str
+  slots: dict[str, str]
+  group: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportPlan:
+  """What an export writes, resolved from the schema and checked against the arrays."""
+
+  trainable: tuple[Param, ...]
+  frozen: tuple[Param, ...]
+  tied: dict[str, str]  # alias -> the parameter that holds the data
+  buffers: tuple[Param, ...]
+  groups: tuple[dict[str, Any], ...]  # hyperparameters per param group (no `params`, `step`)
+  optimizer_type: str
+  step: int
+  extra: dict[str, Any]
+  nbytes: int  # bytes of the arrays the export reads
+  not_carried: tuple[str, ...] = ()  # JAX state the export leaves out, one note each
+
+  @property
+  def slot_names(self) -> tuple[str, ...]:
+    names: dict[str, None] = {}
+    for p in self.trainable:
+      names.update(dict.fromkeys(p.slots))
+    return tuple(names)
+
+
+def plan(ckpt: _reader.Checkpoint) -> ExportPlan:
+  """Checks `ckpt`'s schema against its arrays and resolves it.
+
+  Raises:
+    MappingError: no schema, or a schema with problems (all of them listed).
+  """
+  schema = ckpt.manifest.schema
+  if not isinstance(schema, dict):
+    raise _errors.MappingError(
+      f"{ckpt.location}: this checkpoint has no parameter schema, so it does not say which "
+      "array is which parameter, optimizer slot (exp_avg, exp_avg_sq) or buffer, nor the "
+      "optimizer step and hyperparameters that an export needs. " + HOW_TO_GET_A_SCHEMA
+    )
+  problems: list[str] = []
+  checker = _Checker(ckpt, problems)
+  version = schema.get("version")
+  if version != SCHEMA_VERSION:
+    problems.append(f"schema version {version!r}; this ucp_jax exports version {SCHEMA_VERSION}")
+  naming = schema.get("naming", "torch")
+  if naming != "torch":
+    problems.append(
+      f"schema naming {naming!r}: DeepSpeed needs torch names and layouts ([out, in] Linear "
+      "weights); pass rules=... (e.g. ucp_jax.rules.gpt2(num_heads=...)) to map them back"
+    )
+  optimizer = schema.get("optimizer")
+  if not isinstance(optimizer, dict):
+    problems.append("no `optimizer` entry (type, step, groups)")
+    optimizer = {}
+  groups = _groups(optimizer.get("groups"), problems)
+  opt_type = str(optimizer.get("type", "adamw")).lower()
+  step = optimizer.get("step")
+  if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+    problems.append(f"optimizer step {step!r}: expected an integer >= 0")
+    step = 0
+  params = schema.get("params")
+  if not isinstance(params, dict) or not params:
+    problems.append("no `params` entry, or an empty one")
+    params = {}
+  trainable, frozen, tied = checker.params(params, len(groups))
+  required = ADAM_SLOTS if opt_type in _ADAM_TYPES else ()
+  _check_slots(trainable, required, problems)
+  buffers = checker.buffers(schema.get("buffers") or {})
+  not_carried = _jax_only(optimizer.get("jax_only") or [], problems)
+  if problems:
+    raise _errors.MappingError(
+      f"{ckpt.location}: cannot export: {len(problems)} problem(s) in the parameter schema:\n"
+      + _errors.bullet_list(problems)
+    )
+  read = [p.value for p in (*trainable, *frozen, *buffers)]
+  read += [k for p in trainable for k in p.slots.values()]
+  return ExportPlan(
+    trainable=tuple(trainable),
+    frozen=tuple(frozen),
+    tied=tied,
+    buffers=tuple(buffers),
+    groups=tuple(groups),
+    optimizer_type=opt_type,
+    step=step,
+    extra=dict(schema.get("extra") or {}),
+    nbytes=sum(ckpt[k].nbytes for k in read),
+    not_carried=tuple(not_carried),
+  )
+
+
+def _groups(groups: Any, problems: list[str]) -> list[dict[str, Any]]:
+  if not isinstance(groups, list) or not groups or not all(isinstance(g, dict) for g in groups):
+    problems.append("optimizer `groups`: expected a non-empty list of hyperparameter dicts")
+    return []
+  out = []
+  for group in groups:
+    # `step` is the group's optimizer step (the converters record it per group), not a
+    # hyperparameter; `params` are the source's indices.
+    hyper = {k: v for k, v in group.items() if k not in ("params", "step")}
+    if isinstance(hyper.get("betas"), list):
+      hyper["betas"] = tuple(hyper["betas"])  # torch's own type; JSON turned it into a list
+    out.append(hyper)
+  return out
+
+
+def check_jax_only(ckpt: _reader.Checkpoint) -> None:
+  """Raises what `plan` would about optimizer state DeepSpeed has no names for, before a
+  Flax-named checkpoint is mapped to torch names (where it would show as missing slots)."""
+  optimizer = (ckpt.manifest.schema or {}).get("optimizer")
+  problems: list[str] = []
+  if isinstance(optimizer, dict):
+    _jax_only(optimizer.get("jax_only") or [], problems)
+  if problems:
+    raise _errors.MappingError(
+      f"{ckpt.location}: cannot export: {len(problems)} problem(s) in the parameter schema:\n"
+      + _errors.bullet_list(problems)
+    )
+
+
+def _jax_only(entries: Any, problems: list[str]) -> list[str]:
+  """State a JAX save holds that no DeepSpeed file can (`optimizer.jax_only`, docs/schema.md).
+
+  Optimizer slots DeepSpeed has no names for are refused (its optimizer would restart
+  without them); state beside the optimizer's (MultiSteps' accumulation, an EMA tree) is
+  left out with a note.
+  """
+  notes = []
+  if not isinstance(entries, list):
+    problems.append(f"optimizer `jax_only`: expected a list, got {entries!r}")
+    return notes
+  for entry in entries:
+    if not isinstance(entry, dict):
+      problems.append(f"optimizer `jax_only`: expected dict entries, got {entry!r}")
+      continue
+    where, form = entry.get("state"), entry.get("form")
+    if entry.get("export") == "drop" and form == "MultiStepsState":
+      notes.append(
+        f"`{where}` (optax.MultiSteps): its gradient accumulation is not carried "
+        f"({entry.get('mini_step', 0)} pending mini-step(s)); DeepSpeed resumes from the last "
+        "full optimizer step (set its gradient_accumulation_steps to accumulate alike)"
+      )
+    elif entry.get("export") == "drop":
+      notes.append(
+        f"`{where}`: neither model nor optimizer state (an EMA of the parameters, ...); "
+        "DeepSpeed has no place for it, so it is not exported"
+      )
+    else:
+      slots = ", ".join(entry.get("slots") or []) or "its state"
+      problems.append(
+        f"`{where}` (optax {form}: {slots} of {entry.get('params')} parameter(s)): DeepSpeed "
+        "has no slot names for this state (it keeps exp_avg, exp_avg_sq for Adam and "
+        "momentum_buffer for SGD), so its optimizer could not continue; this checkpoint moves "
+        "between JAX meshes only"
+      )
+  return notes
+
+
+def _check_slots(trainable: list[Param], required: tuple[str, ...], problems: list[str]) -> None:
+  """Every trainable parameter needs the optimizer's slots, and all the same ones."""
+  wanted: dict[str, None] = dict.fromkeys(required)
+  for p in trainable:
+    wanted.update(dict.fromkeys(p.slots))
+  for p in trainable:
+    missing = [f"`{slot}`" for slot in wanted if slot not in p.slots]
+    if missing:
+      problems.append(f"`{p.name}`: trainable, but no {', '.join(missing)} slot")
+
+
+def valid_name(name: str) -> bool:
+  """A parameter name DeepSpeed can use as a directory name (`zero/<name>/`)."""
+  return bool(name) and name not in (".", "..") and "/" not in name and "\0" not in name
+
+
+class _Checker:
+  """Resolves schema entries to keys, noting every problem."""
+
+  def __init__(self, ckpt: _reader.Checkpoint, problems: list[str]):
+    self._ckpt = ckpt
+    self._problems = problems
+
+  def _array(self, what: str, key: Any) -> tuple[tuple[int, ...], str] | None:
+    if not isinstance(key, str):
+      self._problems.append(f"{what}: expected a key string, got {key!r}")
+      return None
+    if key not in self._ckpt:
+      self._problems.append(f"{what} -> `{key}`: no such array in the checkpoint")
+      return None
+    info = self._ckpt[key]
+    return tuple(info.shape), info.dtype
+
+  def params(self, params: dict, n_groups: int) -> tuple[list[Param], list[Param], dict[str, str]]:
+    trainable, frozen, tied = [], [], {}
+    for name, entry in params.items():
+      if not valid_name(name):
+        self._problems.append(f"`{name}`: not usable as a DeepSpeed parameter directory name")
+        continue
+      if not isinstance(entry, dict):
+        self._problems.append(f"`{name}`: expected a dict entry, got {entry!r}")
+        continue
+      target = entry.get("tied_to")
+      if target is not None:
+        real = params.get(target)
+        if not isinstance(real, dict) or real.get("tied_to") is not None:
+          self._problems.append(f"`{name}`: tied to `{target}`, which is not an untied parameter")
+        else:
+          tied[name] = target
+        continue
+      found = self._array(f"`{name}` value", entry.get("value"))
+      if found is None:
+        continue
+      shape, dtype = found
+      if entry.get("frozen", False):
+        frozen.append(Param(name, entry["value"], shape, dtype, {}, None))
+        continue
+      slots = self._slots(name, entry.get("slots") or {}, shape)
+      group = entry.get("group", 0)
+      if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < n_groups:
+        self._problems.append(
+          f"`{name}`: group {group!r}, but the optimizer has {n_groups} group(s)"
+        )
+      trainable.append(Param(name, entry["value"], shape, dtype, slots, group))
+    return trainable, frozen, tied
+
+  def _slots(self, name: str, slots: Any, shape: tuple[int, ...]) -> dict[str, str]:
+    if not isinstance(slots, dict):
+      self._problems.append(f"`{name}` slots: expected a dict, got {slots!r}")
+      return {}
+    out = {}
+    for slot, key in slots.items():
+      found = self._array(f"`{name}` slot `{slot}`", key)
+      if found is None:
+        out[slot] = key  # noted already; keeps the slot from also being reported missing
+        continue
+      if found[0] != shape:
+        self._problems.append(f"`{name}` slot `{slot}`: shape {found[0]}, the value's is {shape}")
+      out[slot] = key
+    return out
+
+  def buffers(self, buffers: Any) -> list[Param]:
+    if not isinstance(buffers, dict):
+      self._problems.append(f"`buffers`: expected a dict of name -> key, got {buffers!r}")
+      return []
+    out = []
+    for name, key in buffers.items():
+      if not valid_name(name):
+        self._problems.append(f"buffer `{name}`: not usable as a DeepSpeed directory name")
+        continue
+      found = self._array(f"buffer `{name}`", key)
+      if found is not None:
+        out.append(Param(name, key, found[0], found[1], {}, None))
+    return out

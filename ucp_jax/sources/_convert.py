@@ -1,0 +1,198 @@
+"""`convert`: a checkpoint of another format -> a universal ucp_jax checkpoint.
+
+The source is found by name or by sniffing the path (`_registry`), described as a `Plan`
+from its metadata only, then written one logical array at a time: each array is assembled
+from memory-mapped slices of the source files, written, and dropped, and the mapped pages
+are released, so host memory stays near a few parameters whatever the model size. The
+checkpoint is committed atomically by the store's `Writer`; a failure leaves nothing
+readable.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import time
+from collections.abc import Callable
+
+from ucp_jax import _errors
+from ucp_jax._errors import SourceFormatError
+from ucp_jax.sources import _registry, _source_plan
+from ucp_jax.sources._source_plan import Tensor, release
+from ucp_jax.store import _keypath, _location
+from ucp_jax.store._manifest import ArrayInfo, Manifest
+from ucp_jax.store._writer import Writer
+
+_MIN_IN_FLIGHT = 64 << 20
+"""Bytes of assembled arrays that may wait for their writes (at least two of the largest)."""
+MAX_GROWTH = 4
+"""How many times the bytes of its source files a conversion may write (plus `GROWTH_SLACK`).
+
+The arrays are the source's own elements, so a checkpoint writes about as many bytes as it
+reads (fp32 masters and slots; bf16 weights are not written). More means tensors that alias
+each other: a forged file that makes a few bytes of storage into terabytes of output."""
+GROWTH_SLACK = 256 << 20
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvertReport:
+  """What `convert` did.
+
+  Attributes:
+    src: the folder or file read (DeepSpeed: the tag folder or universal folder).
+    dst: the converted checkpoint.
+    format: what was read: `deepspeed` (a ZeRO-1/2/3 or BF16-optimizer training checkpoint),
+      `deepspeed_universal` (the output of DeepSpeed's `ds_to_universal`), ...
+    step: the training step (DeepSpeed's `global_steps`), None where the source has none.
+    params: parameters in the schema (optimized, frozen and tied).
+    arrays: arrays written.
+    bytes: bytes written (before chunk checksums).
+    seconds: wall time of the conversion.
+  """
+
+  src: str
+  dst: str
+  format: str
+  step: int | None
+  params: int
+  arrays: int
+  bytes: int
+  seconds: float
+
+
+def convert(
+  src: str | os.PathLike,
+  dst: str | os.PathLike,
+  *,
+  source: str | None = None,
+  overwrite: bool = False,
+  progress: Progress | None = None,
+  durable: bool = True,
+  **options,
+) -> ConvertReport:
+  """Converts a checkpoint of another format into a universal checkpoint.
+
+  DeepSpeed: `src` is a checkpoint folder (with `latest`), a tag folder (`global_step100/`),
+  or a universal folder written by DeepSpeed's `ds_to_universal`. ZeRO-1/2/3 and the BF16
+  optimizer are read at any dp degree. The result holds `params/NAME` (the fp32 master value;
+  frozen parameters in their own dtype), `exp_avg/NAME`, `exp_avg_sq/NAME` and `buffers/NAME`,
+  and the manifest's schema names them with the param groups, steps and the source's state
+  (docs/schema.md). `ucp_jax.open(src)` shows the same arrays without converting.
+
+  Example:
+    >>> import ucp_jax
+    >>> report = ucp_jax.convert("tests/fixtures/deepspeed/z2_bf16_dp3/ckpt",
+    ...                          "/tmp/ucp_doc_convert", overwrite=True)
+    >>> report.step, report.params
+    (3, 9)
+    >>> ucp_jax.open("/tmp/ucp_doc_convert").read("exp_avg/fc1.bias").shape
+    (19,)
+
+  Args:
+    src: the checkpoint to convert.
+    dst: where the universal checkpoint goes (local directory or kvstore URL).
+    source: the source format (`ucp_jax.sources._registry.SOURCES`); default: the one that
+      recognizes `src`.
+    overwrite: replace an existing checkpoint at `dst`, atomically.
+    progress: called as `progress(key, nbytes, total_bytes)`: once with `("", 0, total)`
+      before writing, then after each array is written.
+    durable: fsync before the commit (see `ucp_jax.save`).
+    **options: the source's own options. DeepSpeed: `patterns`, for tensor-parallel
+      sources, `(regex, pattern)` rules for parameters the checkpoint's
+      `universal_checkpoint_info` does not describe (`_pattern_rules.classify`).
+
+  Returns:
+    A `ConvertReport`.
+
+  Raises:
+    SourceFormatError: `src` is not a checkpoint of a known layout, or its files are missing,
+      damaged, forged (`sources.deepspeed._contract`, `sources.torch._torch_file`), or from different runs; the
+      message lists every problem with file and key. Also when the arrays would take more than
+      `MAX_GROWTH` times the bytes of the source files (tensors aliasing each other).
+    CheckpointExistsError: `dst` exists and `overwrite` is False.
+  """
+  start = time.perf_counter()
+  plan = _registry.describe(src, source, **options)
+  target = _location.resolve(dst)
+  jobs, schema = _source_plan.layout(plan)
+  arrays = {key: info for key, (info, _) in jobs.items()}
+  manifest = Manifest(
+    arrays=arrays,
+    tree=_keypath.structure(list(arrays)),
+    step=plan.step,
+    source=plan.source,
+    schema=schema,
+  )
+  _check_growth(plan.path, manifest.nbytes)
+  _write(target, jobs, manifest, overwrite=overwrite, progress=progress, durable=durable)
+  return ConvertReport(
+    src=plan.path,
+    dst=str(target),
+    format=plan.format,
+    step=plan.step,
+    params=len(plan.params),
+    arrays=len(arrays),
+    bytes=manifest.nbytes,
+    seconds=time.perf_counter() - start,
+  )
+
+
+def _check_growth(folder: str, nbytes: int) -> None:
+  """Refuses to write more than `MAX_GROWTH` times the bytes of the files in `folder`."""
+  read = sum(
+    os.stat(os.path.join(root, name)).st_size
+    for root, _, names in os.walk(folder)
+    for name in names
+    if os.path.isfile(os.path.join(root, name))
+  )
+  if nbytes > MAX_GROWTH * read + GROWTH_SLACK:
+    raise SourceFormatError(
+      f"{folder}: its arrays would take {nbytes} bytes, more than {MAX_GROWTH} times the {read} "
+      "bytes of its files (MAX_GROWTH): tensors that alias each other, as only a forged or "
+      "corrupt checkpoint has"
+    )
+
+
+def _write(
+  target: _location.Location,
+  jobs: dict[str, tuple[ArrayInfo, Tensor]],
+  manifest: Manifest,
+  *,
+  overwrite: bool,
+  progress: Progress | None,
+  durable: bool = True,
+) -> None:
+  total = sum(info.nbytes for info, _ in jobs.values())
+  largest = max((info.nbytes for info, _ in jobs.values()), default=0)
+  budget = max(_MIN_IN_FLIGHT, 2 * largest)
+  if progress is not None:
+    progress("", 0, total)
+  with Writer(target, overwrite=overwrite, durable=durable) as writer:
+    writer.create({key: info for key, (info, _) in jobs.items()}, compression=None)
+    pending: collections.deque = collections.deque()
+    held = 0
+
+    def finish_one() -> int:
+      key, future, nbytes, pieces = pending.popleft()
+      try:
+        future.result()
+      except Exception as e:
+        raise _errors.UcpError(f"{target}: writing `{key}` failed: {e}") from e
+      release(pieces)
+      if progress is not None:
+        progress(key, nbytes, total)
+      return nbytes
+
+    for key, (info, tensor) in jobs.items():
+      while pending and held + info.nbytes > budget:
+        held -= finish_one()
+      data, pieces = _source_plan.assemble(tensor)
+      pending.append((key, writer.write_array(key, data), info.nbytes, pieces))
+      held += info.nbytes
+      del data
+    while pending:
+      finish_one()
+    writer.commit(manifest)

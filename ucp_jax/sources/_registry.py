@@ -1,0 +1,91 @@
+"""The sources ucp_jax reads, found by name or by sniffing a path.
+
+A source is a module with `NAME`, `DESCRIPTION`, `sniff(path) -> bool` (from file names
+alone, nothing read) and `describe(path, **options) -> Plan` (the parameters, slots,
+buffers and groups, from metadata only; the arrays stay on disk as lazy `Tensor`s).
+`ucp_jax.open`, `restore`, `convert` and `ucp inspect` find the source of a path here;
+adding a format is adding a module and a line below.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Protocol
+
+from ucp_jax import _errors
+from ucp_jax.sources._source_plan import Plan
+
+SOURCES = {
+  "deepspeed": "ucp_jax.sources.deepspeed._source",
+}
+"""Source name -> the module that reads it (imported on first use), in sniffing order."""
+
+
+class Source(Protocol):
+  """What a source module provides."""
+
+  NAME: str
+  DESCRIPTION: str
+
+  def sniff(self, path: str) -> bool:
+    """Whether `path` looks like this source's (file names only)."""
+
+  def describe(self, path: str, **options) -> Plan:
+    """Everything but the array data, which `Plan`'s tensors read lazily."""
+
+
+def get(name: str) -> Source:
+  """The source called `name`.
+
+  Raises:
+    InvalidArgumentError: no source of that name (the message lists them).
+  """
+  module = SOURCES.get(name)
+  if module is None:
+    raise _errors.InvalidArgumentError(
+      f"source {name!r}: ucp_jax reads {', '.join(SOURCES)} (and its own checkpoints)"
+    )
+  return importlib.import_module(module)
+
+
+def sniff(path: str | os.PathLike) -> Source | None:
+  """The first source that recognizes `path`, or None."""
+  text = os.fspath(path) if not isinstance(path, dict) else ""
+  if not text or "://" in text or not os.path.exists(text):
+    return None
+  for name in SOURCES:
+    source = get(name)
+    if source.sniff(text):
+      return source
+  return None
+
+
+def find(path: str | os.PathLike, name: str | None = None) -> Source:
+  """The source of `path`: `name`'s, or the first that recognizes it.
+
+  Raises:
+    SourceFormatError: no source recognizes `path` (the message says what each looks for).
+  """
+  if name is not None:
+    return get(name)
+  text = os.fspath(path)
+  if not os.path.exists(text):
+    raise _errors.SourceFormatError(f"{text}: no such file or directory")
+  source = sniff(text)
+  if source is None:
+    looked_for = "; ".join(get(n).DESCRIPTION for n in SOURCES)
+    found = ""
+    if os.path.isdir(text):
+      names = sorted(os.listdir(text))
+      shown = ", ".join(names[:12]) + (" ..." if len(names) > 12 else "")
+      found = f". Found: {shown or 'nothing'}"
+    raise _errors.SourceFormatError(
+      f"{text}: not a checkpoint ucp_jax reads. Looked for: {looked_for}{found}"
+    )
+  return source
+
+
+def describe(path: str | os.PathLike, name: str | None = None, **options) -> Plan:
+  """The plan of `path`, read by its source (`name`'s, or the one that recognizes it)."""
+  return find(path, name).describe(os.fspath(path), **options)

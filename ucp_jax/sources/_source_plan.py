@@ -1,0 +1,231 @@
+"""What a source describes: parameters, slots, buffers and groups, still on disk.
+
+A source (DeepSpeed ZeRO-1/2/3, DeepSpeed's universal folders, ...) reads only the small
+metadata of its files and describes every logical array as the flat pieces that make it up:
+memory-mapped views into the source files, in order. `_convert` then assembles one array at a
+time, writes it and drops it, so host memory stays bounded by a few parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import mmap
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ucp_jax._errors import SourceFormatError
+from ucp_jax.sources.torch._torch_file import InertObject, TorchDtype
+from ucp_jax.store import _keypath, _zarr
+from ucp_jax.store._manifest import ArrayInfo
+
+Pieces = Callable[[], Sequence[np.ndarray]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+  """One logical array of the converted checkpoint, described by where its elements are.
+
+  Attributes:
+    shape: the logical shape.
+    dtype: the element type, as found in the source (never converted).
+    pieces: returns 1-D arrays whose concatenation, in order, is the array in C order
+      (memory-mapped views where possible; may load a file on demand).
+    where: the source file and key, for messages.
+  """
+
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  pieces: Pieces
+  where: str
+
+  @property
+  def numel(self) -> int:
+    return math.prod(self.shape)
+
+  @property
+  def nbytes(self) -> int:
+    return self.numel * np.dtype(self.dtype).itemsize
+
+
+def fixed(pieces: Sequence[np.ndarray]) -> Pieces:
+  """A `Tensor.pieces` that returns pieces already at hand."""
+  held = tuple(pieces)
+  return lambda: held
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+  """A parameter: its value (fp32 master where one exists) and optimizer slots.
+
+  A frozen parameter has a value and no slots; a tied parameter has neither and names the
+  parameter that holds its data in `tied_to`.
+  """
+
+  name: str
+  value: Tensor | None
+  slots: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+  group: int | None = None
+  frozen: bool = False
+  tied_to: str | None = None
+  pattern: dict | None = None  # TP/PP/EP layout of the source (_patterns.Pattern.to_json())
+  shard_shape: tuple[int, ...] | None = None  # chunk alignment: the source's shard blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """A converted checkpoint before any data is read.
+
+  Attributes:
+    params: every parameter, in the source's flat order (optimized, then frozen, then tied).
+    buffers: persistent buffers by name.
+    optimizer: the schema's `optimizer` entry (`type`, `step`, `groups`).
+    extra: the schema's `extra` entry (steps, scheduler, config, source layout).
+    source: the manifest's `source` entry.
+    step: the training step recorded in the manifest.
+    path: the folder or file actually read (DeepSpeed: the tag folder), for the report.
+    format: the source's name for what it read (`deepspeed`, `deepspeed_universal`, `hf`,
+      `torch`).
+  """
+
+  params: list[Param]
+  buffers: dict[str, Tensor]
+  optimizer: dict
+  extra: dict
+  source: dict
+  step: int | None
+  path: str
+  format: str = ""
+
+
+def number(value: Any) -> int | float:
+  """A Python number from a 0-d array or scalar: an int when it is integral (steps)."""
+  value = np.asarray(value).item() if isinstance(value, (np.ndarray, np.generic)) else value
+  if isinstance(value, float) and value.is_integer():
+    return int(value)
+  return value
+
+
+def jsonable(obj: Any, *, max_list: int = 1024) -> Any:
+  """`obj` as JSON data: tuples as lists, arrays as lists (or a shape/dtype note when large),
+  non-finite floats as strings, records of unknown classes as `{"__class__": ..., ...}`."""
+  if obj is None or isinstance(obj, (bool, int, str)):
+    return obj
+  if isinstance(obj, float):
+    return obj if math.isfinite(obj) else str(obj)
+  if isinstance(obj, np.generic):
+    return jsonable(obj.item(), max_list=max_list)
+  if isinstance(obj, np.ndarray):
+    if obj.ndim == 0 or obj.size <= max_list:
+      return jsonable(obj.astype(np.float64).tolist() if obj.dtype.kind == "V" else obj.tolist())
+    return {"__array__": {"shape": list(obj.shape), "dtype": str(obj.dtype)}}
+  if isinstance(obj, dict):
+    return {str(k): jsonable(v, max_list=max_list) for k, v in obj.items()}
+  if isinstance(obj, (list, tuple, set, frozenset)):
+    return [jsonable(v, max_list=max_list) for v in obj]
+  if isinstance(obj, TorchDtype):
+    return str(obj)
+  if isinstance(obj, InertObject):
+    out: dict[str, Any] = {"__class__": obj.qualname}
+    for name in ("args", "kwargs", "state"):
+      value = getattr(obj, name)
+      if value not in (None, ()):
+        out[name] = jsonable(value, max_list=max_list)
+    return out
+  return repr(obj)
+
+
+def release(arrays: Sequence[np.ndarray]) -> None:
+  """Drops the memory-mapped pages behind `arrays` from this process (`MADV_DONTNEED`).
+
+  The pages stay in the page cache and fault back in if read again; the process's resident
+  memory no longer grows with every source byte read. A no-op for arrays not backed by a
+  `mmap` and where `madvise` is unavailable.
+  """
+  advice = getattr(mmap, "MADV_DONTNEED", None)
+  if advice is None:
+    return
+  for array in arrays:
+    mapping = _mapping(array)
+    if mapping is None or array.nbytes == 0:
+      continue
+    origin = np.frombuffer(mapping, np.uint8, 1).__array_interface__["data"][0]
+    start = array.__array_interface__["data"][0] - origin
+    end = min(len(mapping), start + array.nbytes)
+    start -= start % mmap.PAGESIZE
+    if 0 <= start < end:
+      mapping.madvise(advice, start, end - start)
+
+
+def _mapping(array: np.ndarray) -> mmap.mmap | None:
+  base: Any = array
+  while isinstance(base, np.ndarray):
+    base = base.base
+  if isinstance(base, memoryview):
+    base = base.obj
+  return base if isinstance(base, mmap.mmap) and not base.closed else None
+
+
+def layout(plan: Plan) -> tuple[dict[str, tuple[ArrayInfo, Tensor]], dict]:
+  """The arrays of the plan by checkpoint key, in write order, and the manifest's schema.
+
+  `params/NAME` holds each parameter's value, `SLOT/NAME` its optimizer slots
+  (`exp_avg/NAME`, ...), `buffers/NAME` the buffers; the schema names them (docs/schema.md).
+  """
+  jobs: dict[str, tuple[ArrayInfo, Tensor]] = {}
+
+  def add(prefix: str, name: str, tensor: Tensor, role: str, shard=None) -> str:
+    key = _keypath.join([prefix, name])
+    dtype = np.dtype(tensor.dtype)
+    chunks = _zarr.choose_chunks(tensor.shape, shard or tensor.shape, dtype.itemsize)
+    jobs[key] = (ArrayInfo(tensor.shape, _zarr.zarr_dtype(dtype), chunks, role=role), tensor)
+    return key
+
+  entries = {}
+  values = {}
+  for p in plan.params:
+    if p.value is not None:
+      values[p.name] = add("params", p.name, p.value, "value", p.shard_shape)
+    slots = {slot: add(slot, p.name, t, slot, p.shard_shape) for slot, t in p.slots.items()}
+    entries[p.name] = {
+      "value": values.get(p.name),
+      "slots": slots,
+      "group": p.group,
+      "frozen": p.frozen,
+      "tied_to": p.tied_to,
+    }
+    if p.pattern is not None:  # how the source split it over TP/PP/EP ranks (_patterns)
+      entries[p.name]["pattern"] = p.pattern
+  for p in plan.params:  # a tied parameter points at the key that holds its data
+    if p.tied_to is not None:
+      entries[p.name]["value"] = values.get(p.tied_to)
+  buffers = {name: add("buffers", name, t, "buffer") for name, t in plan.buffers.items()}
+  schema = {
+    "version": 1,
+    "naming": "torch",
+    "params": entries,
+    "buffers": buffers,
+    "optimizer": plan.optimizer,
+    "extra": plan.extra,
+  }
+  return jobs, schema
+
+
+def assemble(tensor: Tensor) -> tuple[np.ndarray, list[np.ndarray]]:
+  """The logical array from its pieces (a view when it is one piece), and the pieces."""
+  pieces = list(tensor.pieces())
+  dtype = np.dtype(tensor.dtype)
+  held = sum(p.size for p in pieces)
+  bad = sorted({str(p.dtype) for p in pieces if p.dtype != dtype or p.ndim != 1})
+  if held != tensor.numel or bad:
+    raise SourceFormatError(
+      f"{tensor.where}: its pieces hold {held} elements"
+      + (f" of {bad}" if bad else "")
+      + f"; expected {tensor.numel} of {dtype} for shape {tensor.shape}"
+    )
+  if not pieces:
+    return np.zeros(tensor.shape, dtype), pieces
+  data = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+  return data.reshape(tensor.shape), pieces

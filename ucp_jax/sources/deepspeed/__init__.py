@@ -1,0 +1,1 @@
+"""DeepSpeed training checkpoints (ZeRO-1/2/3, BF16 optimizer, TP/PP/EP, universal)."""

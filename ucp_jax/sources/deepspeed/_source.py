@@ -1,0 +1,95 @@
+"""DeepSpeed as a source: a checkpoint folder, a tag folder, or a `ds_to_universal` folder.
+
+What is recognized and how each layout is read: docs/deepspeed_layouts.md; the readers are
+`_zero` (ZeRO-1/2 and the BF16 optimizer), `_zero3`, `_tp` (TP/PP/EP ranks merged by
+pattern) and `_universal`, each checking its files against `_contract` first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+
+from ucp_jax._errors import SourceFormatError
+from ucp_jax.sources._source_plan import Plan
+from ucp_jax.sources.deepspeed import _common, _universal
+
+NAME = "deepspeed"
+DESCRIPTION = (
+  "a DeepSpeed checkpoint folder (a `latest` file naming its tag folder), tag folder "
+  "(mp_rank_00_model_states.pt or zero_pp_rank_0_mp_rank_00_model_states.pt, with "
+  "*_optim_states.pt; ZeRO-1/2/3, BF16 optimizer, TP/PP/EP ranks) or universal folder "
+  "(zero/optimizer_state.pt, from `ds_to_universal`)"
+)
+_POINTERS = ("latest", "latest_universal")
+
+
+def sniff(path: str) -> bool:
+  """Whether `path` looks like a DeepSpeed checkpoint (file names only, nothing read)."""
+  if not os.path.isdir(path):
+    return False
+  if _folder_kind(path) is not None:
+    return True
+  return any(os.path.lexists(os.path.join(path, p)) for p in _POINTERS)
+
+
+def describe(path: str, *, patterns: Sequence = ()) -> Plan:
+  """The checkpoint's parameters, slots, buffers and groups, read from its metadata only.
+
+  Args:
+    path: a DeepSpeed checkpoint folder, tag folder or universal folder.
+    patterns: for tensor-parallel sources, `(regex, pattern)` rules for parameters the
+      checkpoint's `universal_checkpoint_info` does not describe (`_pattern_rules.classify`).
+  """
+  from ucp_jax.sources.deepspeed import _tp, _zero, _zero3
+
+  kind, folder = detect(path)
+  if kind == "deepspeed_universal":
+    plan = _universal.plan(folder)
+  elif _tp.is_model_parallel(folder):  # TP/PP/EP ranks: merged by pattern
+    plan = _tp.plan(folder, rules=patterns)
+  else:
+    files = _common.list_tag(folder)
+    plan = (_zero3 if files.zero3 else _zero).plan(files)
+  return dataclasses.replace(plan, format=kind)
+
+
+def detect(src: str | os.PathLike) -> tuple[str, str]:
+  """(`deepspeed` or `deepspeed_universal`, the folder to read) of `src`."""
+  path = os.fspath(src)
+  if not os.path.exists(path):
+    raise SourceFormatError(f"{path}: no such file or directory")
+  if not os.path.isdir(path):
+    raise SourceFormatError(f"{path}: a single file, not a DeepSpeed checkpoint folder")
+  kind = _folder_kind(path)
+  if kind is not None:
+    return kind, path
+  for pointer in _POINTERS:
+    file = os.path.join(path, pointer)
+    if os.path.lexists(file) and not os.path.isdir(file):
+      tag = _common.read_tag(file)
+      folder = os.path.join(path, tag)
+      kind = _folder_kind(folder) if os.path.isdir(folder) else None
+      if kind is None:
+        raise SourceFormatError(
+          f"{file} names the tag {tag!r}, but {folder} is not a DeepSpeed tag or universal folder"
+        )
+      return kind, folder
+  names = sorted(os.listdir(path))
+  found = ", ".join(names[:12]) + (" ..." if len(names) > 12 else "") if names else "nothing"
+  raise SourceFormatError(
+    f"{path}: not a DeepSpeed checkpoint. Looked for: a checkpoint folder (a `latest` file "
+    "naming its tag folder); a tag folder (mp_rank_00_model_states.pt or "
+    "zero_pp_rank_0_mp_rank_00_model_states.pt, with *_optim_states.pt); a universal folder "
+    f"(zero/optimizer_state.pt, or a `latest_universal` file naming one). Found: {found}"
+  )
+
+
+def _folder_kind(folder: str) -> str | None:
+  if _universal.is_universal(folder):
+    return "deepspeed_universal"
+  names = os.listdir(folder)
+  if any(n.endswith("model_states.pt") or n.endswith("optim_states.pt") for n in names):
+    return "deepspeed"
+  return None

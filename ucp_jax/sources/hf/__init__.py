@@ -1,0 +1,1 @@
+"""Hugging Face checkpoints: safetensors files, sharded folders, `config.json`."""

@@ -1,0 +1,1 @@
+"""The safe torch file reader: pickles that never run code, tensors as memory maps."""

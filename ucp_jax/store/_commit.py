@@ -1,0 +1,403 @@
+"""Atomic commit: a save is either wholly visible or not at all, and never loses the last one.
+
+On a local file system a save writes into a hidden staging directory beside the
+target, `.NAME.ucp-tmp-TOKEN`, and renames it into place: an atomic exchange
+when overwriting (`renameat2(RENAME_EXCHANGE)`), or, where the file system
+cannot exchange, two renames (target -> `STAGING.old`, staging -> target) that
+`recover` completes if the process dies between them.
+
+On object stores, where there is no rename, a save writes its arrays below a
+fresh prefix (`gTOKEN/`) and commits by writing the manifest, one object that
+names that prefix; only then are older generations deleted. A reader holding the
+old manifest reads the old generation, or fails if it is deleted under it.
+
+A lock beside the target (`.NAME.ucp-lock`, held with `flock`, or a `.ucp-lock`
+object) turns a second concurrent writer away; a lock whose holder died is taken over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import json
+import os
+import re
+import shutil
+import socket
+import time
+
+from ucp_jax import _errors
+from ucp_jax.store import _location, _manifest
+
+_LOCK_KEY = ".ucp-lock"
+_EXIT_GRACE_S = 5.0  # how long a dead holder's last threads may take to release its flock
+_GENERATION = re.compile(r"^g[0-9a-f]{16}/")
+
+
+def data_prefix(target: _location.Location, token: int) -> str:
+  """Where a save's arrays go below the root: the root itself on local disks."""
+  return "" if target.local_dir is not None else f"g{token:016x}/"
+
+
+def staging_location(target: _location.Location, token: int) -> _location.Location:
+  """Where a save writes its arrays before it commits."""
+  if target.local_dir is None:
+    return target.child(data_prefix(target, token))
+  return _location.resolve(_location.staging_dir(target.local_dir, token))
+
+
+def check_writable(target: _location.Location, overwrite: bool) -> None:
+  """Raises before any write if saving to `target` would lose something."""
+  if target.local_dir is not None:
+    path = target.local_dir
+    if os.path.isfile(path):
+      raise _errors.CheckpointExistsError(f"{path}: a file is in the way of the checkpoint")
+    blocker = file_above(path)
+    if blocker is not None:
+      raise _errors.CheckpointExistsError(f"{path}: {blocker} is a file, not a directory")
+    if not os.path.isdir(path) or not os.listdir(path):
+      return
+    is_checkpoint = os.path.exists(os.path.join(path, _manifest.MANIFEST_KEY))
+    if not is_checkpoint:
+      raise _errors.CheckpointExistsError(
+        f"{path}: directory exists and is not a ucp_jax checkpoint; refusing to replace it"
+      )
+    if not overwrite:
+      raise _errors.CheckpointExistsError(
+        f"{path}: a checkpoint exists already; pass overwrite=True to replace it"
+      )
+    return
+  store = _location.kvstore(target)
+  if not overwrite and store.read(_manifest.MANIFEST_KEY).result().state == "value":
+    raise _errors.CheckpointExistsError(
+      f"{target}: a checkpoint exists already; pass overwrite=True to replace it"
+    )
+
+
+def file_above(path: str) -> str | None:
+  """The nearest existing ancestor of `path` when it is not a directory (nothing fits below it)."""
+  parent = os.path.dirname(path)
+  while parent and not os.path.lexists(parent) and parent != os.path.dirname(parent):
+    parent = os.path.dirname(parent)
+  return parent if parent and os.path.lexists(parent) and not os.path.isdir(parent) else None
+
+
+class Lock:
+  """Exclusive right to write one path, held by process 0 of a save (or by an export).
+
+  On a local file system the lock file is held with `flock`, which the kernel
+  drops when the holder exits however it dies, so a lock left by a killed or
+  unreaped writer, or left empty, never blocks. On an object store the lock is
+  an object created only if absent; one left by a dead process of this host is
+  taken over, any other must be deleted by hand (the error says which).
+  """
+
+  def __init__(self, target: _location.Location, token: int):
+    self._target = target
+    self._token = token
+    self._holder = json.dumps(
+      {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "start": _start_time(os.getpid()),
+        "token": f"{token:016x}",
+        "time": time.time(),
+        "flock": True,
+      }
+    )
+    self._path = None
+    self._fd: int | None = None
+    if target.local_dir is not None:
+      parent, name = os.path.split(target.local_dir)
+      self._path = os.path.join(parent, f".{name}.ucp-lock")
+
+  def acquire(self) -> None:
+    if self._path is None:
+      self._acquire_kvstore()
+      return
+    os.makedirs(os.path.dirname(self._path), exist_ok=True)
+    deadline = time.monotonic() + _EXIT_GRACE_S
+    for _ in range(1000):
+      fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except BlockingIOError:
+        os.close(fd)
+        holder = _read_text(self._path)
+        if _dead_holder(holder) and time.monotonic() < deadline:
+          time.sleep(0.02)  # its threads are still exiting: the kernel drops the flock then
+          continue
+        raise _errors.ConcurrentWriteError(self._busy_message(holder)) from None
+      if not _same_file(fd, self._path):  # the holder released (unlinked) it meanwhile: retry
+        os.close(fd)
+        continue
+      previous = _read_fd(fd)
+      if _live_unflocked_holder(previous):  # an older ucp_jax, which did not flock
+        os.close(fd)
+        raise _errors.ConcurrentWriteError(self._busy_message(previous))
+      os.ftruncate(fd, 0)
+      os.pwrite(fd, self._holder.encode(), 0)
+      self._fd = fd
+      return
+    raise _errors.ConcurrentWriteError(self._busy_message(_read_text(self._path)))
+
+  def _acquire_kvstore(self) -> None:
+    store = _location.kvstore(self._target)
+    current = store.read(_LOCK_KEY).result()
+    if current.state == "value" and not _dead_holder(current.value.decode(errors="replace")):
+      raise _errors.ConcurrentWriteError(self._busy_message(current.value.decode(errors="replace")))
+    store.write(_LOCK_KEY, self._holder.encode(), if_equal=current.stamp.generation).result()
+    if store.read(_LOCK_KEY).result().value.decode(errors="replace") != self._holder:
+      raise _errors.ConcurrentWriteError(self._busy_message("another writer"))
+
+  def _busy_message(self, holder: str) -> str:
+    where = self._path or f"{self._target}/{_LOCK_KEY}"
+    return (
+      f"{self._target}: another save to this path is in progress (lock {where} held by "
+      f"{holder.strip() or 'a writer that has not said who it is'}). If no such save is "
+      "running, delete the lock."
+    )
+
+  def release(self) -> None:
+    if self._path is None:
+      _location.kvstore(self._target).write(_LOCK_KEY, None).result()
+      return
+    if self._fd is not None:
+      with contextlib.suppress(FileNotFoundError):
+        os.remove(self._path)  # before the flock goes, so nobody locks an unlinked file
+      os.close(self._fd)
+      self._fd = None
+
+
+def remove_stale_staging(target: _location.Location) -> None:
+  """Cleans up after saves to `target` that died (the caller holds the lock).
+
+  A save that died between the two renames of the fallback commit is completed first.
+  """
+  if target.local_dir is None:
+    return
+  recover(target.local_dir)
+  for stale in _location.staging_dirs(target.local_dir):
+    shutil.rmtree(stale, ignore_errors=True)
+
+
+def remove_other_generations(target: _location.Location, live: str) -> None:
+  """On an object store: deletes the data of every generation but the live one.
+
+  `live` is the data prefix of the committed checkpoint ("" for a format version 1
+  checkpoint, whose arrays sit at the root). Generations of saves that died, older
+  generations, and version 1 arrays once a newer generation is live all go; the
+  manifest, the lock and the root group stay. The caller holds the lock.
+  """
+  if target.local_dir is not None:
+    return
+  store = _location.kvstore(target)
+  doomed = set()
+  for raw in store.list().result():
+    key = raw.decode()
+    match = _GENERATION.match(key)
+    if match:
+      if match.group(0) != live:
+        doomed.add(match.group(0))
+    elif live and key not in (_manifest.MANIFEST_KEY, _LOCK_KEY, "zarr.json"):
+      doomed.add(key)
+  futures = [
+    store.delete_range(_location.prefix_range(item))
+    if item.endswith("/")
+    else store.write(item, None)
+    for item in doomed
+  ]
+  for f in futures:
+    f.result()
+
+
+def live_generation(target: _location.Location) -> str:
+  """The data prefix the committed checkpoint at an object-store `target` uses ("" if none)."""
+  result = _location.kvstore(target).read(_manifest.MANIFEST_KEY).result()
+  if result.state != "value":
+    return ""
+  try:
+    return _manifest.Manifest.from_bytes(result.value, str(target)).data
+  except _errors.ManifestError:
+    return ""
+
+
+def commit(
+  staging: _location.Location, target: _location.Location, manifest: bytes, *, durable: bool = True
+) -> None:
+  """Writes the manifest and makes the checkpoint visible at `target` in one step."""
+  if staging.local_dir is None:
+    _location.kvstore(target, durable).write(_manifest.MANIFEST_KEY, manifest).result()
+    return
+  path = os.path.join(staging.local_dir, _manifest.MANIFEST_KEY)
+  with open(path, "wb") as f:
+    f.write(manifest)
+    if durable:
+      f.flush()
+      os.fsync(f.fileno())
+  if durable:
+    fsync_dir(staging.local_dir)
+  swap_into_place(staging.local_dir, target.local_dir, durable=durable)
+
+
+def swap_into_place(staging_dir: str, target_dir: str, *, durable: bool = True) -> None:
+  """Makes the directory `staging_dir` visible as `target_dir` in one step.
+
+  An existing, non-empty `target_dir` is exchanged atomically where the kernel can
+  (renameat2); elsewhere it is renamed to `STAGING.old` first, and `recover`
+  finishes the swap if the process dies before the second rename. The old
+  directory is deleted and the parent directory fsynced.
+  """
+  if os.path.isdir(target_dir) and os.listdir(target_dir):
+    old = staging_dir
+    if not exchange(staging_dir, target_dir):
+      old = staging_dir + ".old"
+      os.rename(target_dir, old)
+      os.rename(staging_dir, target_dir)
+    if durable:
+      fsync_dir(os.path.dirname(target_dir))
+    shutil.rmtree(old, ignore_errors=True)
+  else:
+    if os.path.isdir(target_dir):
+      os.rmdir(target_dir)
+    os.rename(staging_dir, target_dir)
+  if durable:
+    fsync_dir(os.path.dirname(target_dir))
+
+
+def interrupted_swap(target_dir: str, candidates: list[str] | None = None) -> str | None:
+  """The staging directory of a fallback swap into `target_dir` that died between its renames.
+
+  The old checkpoint was moved to `STAGING.old`, the new one (committed: its
+  manifest is written) still waits in `STAGING`, and `target_dir` is missing.
+  """
+  if os.path.lexists(target_dir):
+    return None
+  candidates = _location.staging_dirs(target_dir) if candidates is None else candidates
+  for staged in candidates:
+    if (
+      not staged.endswith(".old")
+      and os.path.isdir(staged + ".old")
+      and os.path.isfile(os.path.join(staged, _manifest.MANIFEST_KEY))
+    ):
+      return staged
+  return None
+
+
+def recover(target_dir: str, candidates: list[str] | None = None) -> None:
+  """Completes a fallback swap that died between its renames (the caller holds the lock)."""
+  staged = interrupted_swap(target_dir, candidates)
+  if staged is None:
+    return
+  os.rename(staged, target_dir)
+  fsync_dir(os.path.dirname(target_dir))
+  shutil.rmtree(staged + ".old", ignore_errors=True)
+
+
+def abort(staging: _location.Location, target: _location.Location) -> None:
+  """Removes what a save wrote before it failed."""
+  if staging.local_dir is not None:
+    if staging != target:
+      shutil.rmtree(staging.local_dir, ignore_errors=True)
+    return
+  if staging.url != target.url:
+    prefix = staging.url[len(target.url) :]
+    _location.kvstore(target).delete_range(_location.prefix_range(prefix)).result()
+
+
+def exchange(a: str, b: str) -> bool:
+  """Atomically swaps two directories (Linux renameat2); False where unsupported."""
+  try:
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = libc.renameat2
+  except (OSError, AttributeError):
+    return False
+  at_fdcwd, rename_exchange = -100, 2
+  rc = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
+  return rc == 0
+
+
+def fsync_dir(path: str) -> None:
+  """Makes the entries of directory `path` durable."""
+  fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+  try:
+    os.fsync(fd)
+  except OSError as e:  # some file systems cannot fsync a directory; their renames are durable
+    if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+      raise
+  finally:
+    os.close(fd)
+
+
+def _same_file(fd: int, path: str) -> bool:
+  try:
+    return os.stat(path).st_ino == os.fstat(fd).st_ino
+  except FileNotFoundError:
+    return False
+
+
+def _live_unflocked_holder(text: str) -> bool:
+  """A lock written by a ucp_jax that did not flock, whose holder still runs here."""
+  try:
+    holder = json.loads(text)
+  except ValueError:
+    return False
+  return isinstance(holder, dict) and not holder.get("flock") and not _dead_holder(text)
+
+
+def _dead_holder(text: str) -> bool:
+  """The lock's holder ran on this host and has exited (or is a zombie, or its pid was reused)."""
+  try:
+    holder = json.loads(text)
+    pid = int(holder.get("pid", -1))
+  except (ValueError, TypeError, AttributeError):
+    return False
+  if holder.get("host") != socket.gethostname():
+    return False
+  if not _pid_alive(pid):
+    return True
+  start = holder.get("start")
+  return start is not None and start != _start_time(pid)
+
+
+def _pid_alive(pid: int) -> bool:
+  """The process exists and is not a zombie (exited, waiting to be reaped)."""
+  if pid <= 0:
+    return False
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return _proc_stat(pid)[0:1] != ["Z"]
+
+
+def _start_time(pid: int) -> int | None:
+  """When the process started (clock ticks since boot): tells a reused pid apart."""
+  fields = _proc_stat(pid)
+  return int(fields[19]) if len(fields) > 19 else None
+
+
+def _proc_stat(pid: int) -> list[str]:
+  """The fields of /proc/PID/stat after the command name (empty where there is no /proc)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      text = f.read()
+  except OSError:
+    return []
+  return text[text.rfind(")") + 2 :].split()
+
+
+def _read_fd(fd: int) -> str:
+  return os.pread(fd, 1 << 16, 0).decode(errors="replace")
+
+
+def _read_text(path: str) -> str:
+  try:
+    with open(path, errors="replace") as f:
+      return f.read()
+  except OSError:
+    return "an unknown writer"

@@ -1,0 +1,320 @@
+"""Where a checkpoint lives: locations, TensorStore contexts and kvstores, storage errors.
+
+A location is a local directory or a kvstore (`file://`, `memory://`, `gs://`, `s3://`,
+or a JSON spec); everything goes through TensorStore, so they are handled alike. Remote
+requests are bounded in time, and storage failures become `StorageError`s that say what
+failed and what to do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import functools
+import json
+import os
+import re
+import weakref
+
+import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with numpy)
+import tensorstore as ts
+
+from ucp_jax import _errors
+
+_URL_SCHEMES = ("file://", "memory://", "gs://", "s3://", "gcs://")
+
+REQUEST_RETRIES = {"max_retries": 4, "initial_delay": "0.5s", "max_delay": "4s"}
+"""Retries of one request to an object store (TensorStore's default is 32, over minutes)."""
+
+# One context for the whole process: `memory://` checkpoints live as long as it does,
+# and every open shares its cache and concurrency limits. Files written through it are
+# fsynced (`file_io_sync`); NONDURABLE, a child that shares everything else, is for
+# saves that opt out.
+CONTEXT = ts.Context(
+  {
+    "file_io_sync": True,
+    "file_io_concurrency": {"limit": max(8, 2 * (os.cpu_count() or 1))},
+    "cache_pool": {"total_bytes_limit": 0},
+    "gcs_request_retries": REQUEST_RETRIES,
+    "s3_request_retries": REQUEST_RETRIES,
+  }
+)
+NONDURABLE = ts.Context({"file_io_sync": False}, parent=CONTEXT)
+
+
+def context(durable: bool = True) -> ts.Context:
+  return CONTEXT if durable else NONDURABLE
+
+
+@dataclasses.dataclass(frozen=True)
+class Location:
+  """A checkpoint root (or a prefix below one): a TensorStore kvstore URL ending in `/`.
+
+  `local_dir` is set when the root is a local directory, which makes an atomic
+  commit by rename possible. `spec` is the TensorStore kvstore JSON spec when the
+  user gave one (an S3 endpoint, a region, retries in its `context`); `url` then
+  only names it. `io_dir`, when set, is the path that reads go through instead:
+  `/proc/self/fd/N` of a directory opened once (`pin`), so that a checkpoint
+  replaced by a later save is still read from the generation that was opened,
+  never from a mix of two.
+  """
+
+  url: str
+  local_dir: str | None = None
+  spec: str | None = None
+  io_dir: str | None = dataclasses.field(default=None, compare=False)
+  pin: object = dataclasses.field(default=None, compare=False, repr=False)
+
+  def kvstore_spec(self, key: str = "") -> dict:
+    """The JSON kvstore spec of `key` below the root (keys are never URL-decoded)."""
+    if self.local_dir is not None:
+      base = {"driver": "file", "path": (self.io_dir or self.local_dir).rstrip("/") + "/"}
+    elif self.spec is not None:
+      base = json.loads(self.spec)
+    else:
+      base = _url_spec(self.url)
+    return {**base, "path": base.get("path", "") + (key.strip("/") + "/" if key else "")}
+
+  def child(self, prefix: str) -> Location:
+    """The location of `prefix` (relative, `/`-separated) below this one."""
+    prefix = prefix.strip("/")
+    if not prefix:
+      return self
+    if self.local_dir is None:
+      spec = self.spec and json.dumps(self.kvstore_spec(prefix), sort_keys=True)
+      return Location(self.url + prefix + "/", spec=spec)
+    return dataclasses.replace(
+      self,
+      url=self.url + prefix + "/",
+      local_dir=os.path.join(self.local_dir, prefix),
+      io_dir=self.io_dir and os.path.join(self.io_dir, prefix),
+    )
+
+  def io_path(self, key: str) -> str:
+    """The local path that reads of `key` use (local roots only)."""
+    return os.path.join(self.io_dir or self.local_dir, key)
+
+  def __str__(self) -> str:
+    if self.local_dir is not None:
+      return self.local_dir
+    return self.url if self.url.endswith("://") else self.url.rstrip("/")
+
+
+class _Pin:
+  """An open directory descriptor, closed when the last location holding it goes."""
+
+  def __init__(self, fd: int):
+    self.fd = fd
+    weakref.finalize(self, os.close, fd)
+
+
+def pin(location: Location, directory: str | None = None) -> Location:
+  """`location` with reads going through an open descriptor of its directory.
+
+  The descriptor keeps naming the directory that was there when it was opened:
+  an overwrite renames another one into place, and the deletion of the old one
+  makes reads fail rather than switch to the new files. Where `/proc/self/fd` is
+  not available, or the directory does not exist, `location` is returned as is.
+  `directory`, when given, is opened instead of `location.local_dir` (a
+  checkpoint that waits under another name to be renamed into place).
+  """
+  if location.local_dir is None or location.io_dir is not None or not _PROC_FD:
+    return location
+  try:
+    fd = os.open(directory or location.local_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+  except OSError:
+    return location
+  handle = _Pin(fd)
+  return dataclasses.replace(location, io_dir=f"/proc/self/fd/{fd}", pin=handle)
+
+
+_PROC_FD = os.path.isdir("/proc/self/fd")
+
+
+@functools.lru_cache(maxsize=64)
+def _url_spec_cached(url: str) -> str:
+  return json.dumps(ts.KvStore.Spec(url).to_json())
+
+
+def _url_spec(url: str) -> dict:
+  return json.loads(_url_spec_cached(url))
+
+
+def resolve(path: str | os.PathLike | dict | Location) -> Location:
+  """Parses a user-given path: a local directory, a kvstore URL, or a kvstore JSON spec.
+
+  A spec (a dict, or its JSON text) reaches what a URL cannot: an S3 endpoint and
+  region, a GCS user project, retries in its own `context`.
+  """
+  if isinstance(path, Location):
+    return path
+  if isinstance(path, dict) or (isinstance(path, str) and path.lstrip().startswith("{")):
+    return _spec_location(path)
+  text = os.fspath(path)
+  if text.startswith("file://"):
+    text = text[len("file://") :]
+  elif text.startswith(_URL_SCHEMES):
+    if text.startswith("gcs://"):
+      text = "gs://" + text[len("gcs://") :]
+    scheme, _, rest = text.partition("://")
+    if not rest.strip("/") and scheme != "memory":
+      raise ValueError(f"{text}: the URL names no bucket or path")
+    return Location(f"{scheme}://{rest.rstrip('/')}/" if rest.strip("/") else "memory://")
+  elif "://" in text:
+    raise ValueError(f"{text}: unsupported URL scheme; use a local path or one of {_URL_SCHEMES}")
+  local = os.path.abspath(os.path.expanduser(text))
+  return Location("file://" + local.rstrip("/") + "/", local)
+
+
+def _spec_location(spec: dict | str) -> Location:
+  try:
+    spec = json.loads(spec) if isinstance(spec, str) else dict(spec)
+    parsed = ts.KvStore.Spec(spec)
+  except (TypeError, ValueError) as e:
+    raise _errors.InvalidArgumentError(f"not a TensorStore kvstore spec: {spec!r}: {e}") from e
+  path = str(spec.get("path", "")).rstrip("/")
+  spec["path"] = path + "/" if path else ""
+  try:
+    name = ts.KvStore.Spec({k: v for k, v in spec.items() if k != "context"}).url
+  except (NotImplementedError, ValueError):
+    name = f"{spec['driver']}://{parsed.to_json().get('bucket', '')}/{spec['path']}"
+  if not name.endswith("/"):
+    name += "/"
+  return Location(name, spec=json.dumps(spec, sort_keys=True))
+
+
+_STAGING = ".ucp-tmp-"  # a save to DIR/NAME stages in DIR/.NAME.ucp-tmp-TOKEN
+_STAGING_RE = re.compile(r"^\.(.+)\.ucp-tmp-[0-9a-f]{16}(\.old)?$")
+
+
+def staging_dir(target_dir: str, token: int) -> str:
+  """The directory a save to the local `target_dir` writes in before it commits."""
+  parent, name = os.path.split(target_dir)
+  return os.path.join(parent, f".{name}{_STAGING}{token:016x}")
+
+
+def staging_dirs(target_dir: str) -> list[str]:
+  """Staging directories of saves to `target_dir` that have not committed (or died)."""
+  import glob
+
+  parent, name = os.path.split(target_dir)
+  return glob.glob(os.path.join(parent, f".{glob.escape(name)}{_STAGING}*"))
+
+
+def staged_for(path: str) -> str | None:
+  """The target directory when `path` is a save's staging directory, else None."""
+  match = _STAGING_RE.match(os.path.basename(path))
+  return os.path.join(os.path.dirname(path), match.group(1)) if match else None
+
+
+_ADVICE = {
+  errno.ENOSPC: "no space left on the device: free some or save elsewhere",
+  errno.EDQUOT: "disk quota exceeded: free some or save elsewhere",
+  errno.EACCES: "permission denied: check who may write there",
+  errno.EPERM: "operation not permitted: check who may write there",
+  errno.EROFS: "the file system is read-only: save elsewhere",
+  errno.ENAMETOOLONG: "a file name is too long for this file system: use shorter keys",
+  errno.EIO: "the device reported an I/O error: check the disk",
+}
+_STATUS = re.compile(
+  r"^(NOT_FOUND|PERMISSION_DENIED|RESOURCE_EXHAUSTED|UNAVAILABLE|DATA_LOSS|ABORTED|"
+  r"INTERNAL|UNKNOWN|DEADLINE_EXCEEDED|UNAUTHENTICATED|FAILED_PRECONDITION|CANCELLED): "
+)
+
+
+def storage_error(error: BaseException, where: object, what: str, then: str = "") -> BaseException:
+  """`error` as a `StorageError` that says what failed and what to do, when it is one.
+
+  OS errors and TensorStore's storage failures (a `ValueError` led by a status code)
+  are; anything else (ucp_jax's own errors, bugs) is returned as it is.
+  """
+  if isinstance(error, _errors.UcpError):
+    return error
+  if isinstance(error, OSError):
+    advice = _ADVICE.get(error.errno, error.strerror or str(error))
+    file = f" ({error.filename})" if error.filename else ""
+    out = _errors.StorageError(f"{where}: {what}: {advice}{file}.{then and ' ' + then}")
+    out.errno = error.errno
+    return out
+  if isinstance(error, ValueError) and _STATUS.match(str(error)):
+    return _errors.StorageError(f"{where}: {what}: {error_text(error)}.{then and ' ' + then}")
+  return error
+
+
+def error_text(error: BaseException) -> str:
+  """A TensorStore error as one readable line: the spec and source locations it appends cut."""
+  text = str(error).splitlines()[0] if str(error) else type(error).__name__
+  return re.sub(r" \[(tensorstore_spec|source locations)=.*$", "", text)
+
+
+def prefix_range(prefix: str) -> ts.KvStore.KeyRange:
+  """Every key that starts with `prefix` (which ends with `/`)."""
+  return ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1))
+
+
+def kvstore(location: Location, durable: bool = True) -> KvStore:
+  """The kvstore at `location`, its operations bounded in time on remote stores."""
+  opened = ts.KvStore.open(location.kvstore_spec(), context=context(durable))
+  return KvStore(wait(opened, location, "opening the store"), location)
+
+
+TIMEOUT_S = float(os.environ.get("UCP_STORE_TIMEOUT_S", "120"))
+"""How long one request to a remote store may go unanswered (env `UCP_STORE_TIMEOUT_S`)."""
+
+# A transfer that stalls (no byte for 30 s) fails and is retried instead of hanging for
+# the TCP timeout; TensorStore's own knobs, set here only where the user has not set them.
+os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", "30")
+os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")
+
+
+def wait(future: ts.Future, location: Location, what: str):
+  """`future.result()` with storage failures as `StorageError`s naming `location`.
+
+  On a remote store the wait is bounded by `TIMEOUT_S` (a missing network or
+  credentials otherwise hang in retries); Ctrl-C interrupts it either way.
+  """
+  try:
+    if location.local_dir is not None:
+      return future.result()
+    return future.result(timeout=TIMEOUT_S)
+  except TimeoutError:
+    future.cancel()
+    raise _errors.StorageError(
+      f"{location}: {what}: no answer within {TIMEOUT_S:g} s (no network, a wrong endpoint, "
+      "or missing credentials?); set UCP_STORE_TIMEOUT_S to wait longer"
+    ) from None
+  except ValueError as e:
+    raise _errors.StorageError(f"{location}: {what}: {error_text(e)}") from e
+
+
+class KvStore:
+  """A TensorStore kvstore whose operations say where they failed (see `wait`)."""
+
+  def __init__(self, store: ts.KvStore, location: Location):
+    self._store = store
+    self._location = location
+
+  def read(self, key: str, **options) -> _Pending:
+    return _Pending(self._store.read(key, **options), self._location, f"reading {key}")
+
+  def write(self, key: str, value: bytes | None, **options) -> _Pending:
+    what = f"deleting {key}" if value is None else f"writing {key}"
+    return _Pending(self._store.write(key, value, **options), self._location, what)
+
+  def list(self, key_range: ts.KvStore.KeyRange | None = None) -> _Pending:
+    listed = self._store.list() if key_range is None else self._store.list(key_range)
+    return _Pending(listed, self._location, "listing keys")
+
+  def delete_range(self, key_range: ts.KvStore.KeyRange) -> _Pending:
+    deleted = self._store.delete_range(key_range)
+    return _Pending(deleted, self._location, f"deleting {key_range.inclusive_min}...")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pending:
+  future: ts.Future
+  location: Location
+  what: str
+
+  def result(self):
+    return wait(self.future, self.location, self.what)

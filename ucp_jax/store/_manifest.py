@@ -1,0 +1,311 @@
+"""The manifest: one JSON file, written last, that makes a checkpoint a checkpoint.
+
+Since format version 2 it carries a sha256 of its own content (`checksum`), the
+crc32c of every chunk by position (`chunk_crc32c` per array, see `_chunks`), and,
+on object stores, the prefix below the root where this save's arrays live (`data`).
+Version 1 checkpoints, without these, are still read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import os
+import re
+from typing import Any
+
+import numpy as np
+
+from ucp_jax import _errors
+from ucp_jax.store import _chunks, _keypath, _location
+
+FORMAT = "ucp_jax"
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+MANIFEST_KEY = "manifest.json"
+_DATA_PREFIX = re.compile(r"^g[0-9a-f]{16}/$")
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayInfo:
+  """What the manifest says of one stored array.
+
+  Attributes:
+    shape: logical (unsharded) shape.
+    dtype: zarr v3 / numpy dtype name (`float32`, `bfloat16`, ...).
+    chunks: the zarr chunk shape.
+    kind: `array`, `scalar` (a Python number) or `prng_key` (typed key data).
+    python_type: for scalars, `int`, `float`, `bool` or `complex`.
+    prng_impl: for PRNG keys, the implementation name (`threefry2x32`, ...).
+    role: optional meaning in the universal schema (`value`, `exp_avg`, ...).
+    compression: the chunk codec, None when chunks are stored raw.
+    checksums: the crc32c of every chunk, shaped as the chunk grid (`_chunks`);
+      None in format version 1 checkpoints and before a save commits.
+  """
+
+  shape: tuple[int, ...]
+  dtype: str
+  chunks: tuple[int, ...]
+  kind: str = "array"
+  python_type: str | None = None
+  prng_impl: str | None = None
+  role: str | None = None
+  compression: str | None = None
+  checksums: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
+
+  @property
+  def nbytes(self) -> int:
+    size = 1
+    for d in self.shape:
+      size *= d
+    return size * _itemsize(self.dtype)
+
+  def to_json(self, checksums: bool = True) -> dict:
+    out = {"shape": list(self.shape), "dtype": self.dtype, "chunks": list(self.chunks)}
+    for name in ("kind", "python_type", "prng_impl", "role", "compression"):
+      value = getattr(self, name)
+      if value is not None and not (name == "kind" and value == "array"):
+        out[name] = value
+    if checksums and self.checksums is not None:
+      out["chunk_crc32c"] = _chunks.encode(self.checksums)
+    return out
+
+  @classmethod
+  def from_json(cls, data: dict) -> ArrayInfo:
+    return cls(
+      shape=tuple(data["shape"]),
+      dtype=data["dtype"],
+      chunks=tuple(data["chunks"]),
+      kind=data.get("kind", "array"),
+      python_type=data.get("python_type"),
+      prng_impl=data.get("prng_impl"),
+      role=data.get("role"),
+      compression=data.get("compression"),
+    )
+
+  def expected_crc(self, index: tuple[int, ...]) -> int | None:
+    """The recorded checksum of chunk `index` (None in a version 1 checkpoint)."""
+    return None if self.checksums is None else int(self.checksums[index])
+
+
+def _itemsize(dtype: str) -> int:
+  import numpy as np
+
+  return np.dtype(dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+  """Everything a checkpoint says about itself besides the array data."""
+
+  arrays: dict[str, ArrayInfo]
+  tree: Any = None
+  step: int | None = None
+  metadata: dict = dataclasses.field(default_factory=dict)
+  source: dict = dataclasses.field(default_factory=dict)
+  schema: dict | None = None
+  created: str = ""
+  format_version: int = FORMAT_VERSION
+  data: str = ""  # where the arrays live below the root ("" = at the root)
+
+  @property
+  def nbytes(self) -> int:
+    return sum(a.nbytes for a in self.arrays.values())
+
+  def to_bytes(self) -> bytes:
+    data = {
+      "format": FORMAT,
+      "format_version": FORMAT_VERSION,
+      "created": self.created or datetime.datetime.now(datetime.timezone.utc).isoformat(),
+      "step": self.step,
+      "source": self.source,
+      "metadata": self.metadata,
+      "schema": self.schema,
+      "tree": self.tree,
+      "arrays": {k: v.to_json() for k, v in sorted(self.arrays.items())},
+    }
+    if self.data:
+      data["data"] = self.data
+    return seal(data)
+
+  @classmethod
+  def from_bytes(cls, raw: bytes, where: str) -> Manifest:
+    try:
+      data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+      raise _errors.ManifestError(
+        f"{where}: the manifest is not valid JSON (truncated or overwritten?): {e}"
+      ) from e
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+      raise _errors.ManifestError(
+        f'{where}: not a ucp_jax manifest (no "format": "{FORMAT}" entry)'
+      )
+    version = data.get("format_version")
+    if version not in READABLE_VERSIONS:
+      raise _errors.ManifestError(
+        f"{where}: format version {version!r}; this ucp_jax reads versions "
+        f"{', '.join(map(str, READABLE_VERSIONS))}. Upgrade ucp_jax to read it."
+      )
+    if version >= 2:
+      _check_seal(data, where)
+    if not isinstance(data.get("arrays"), dict):
+      raise _errors.ManifestError(f'{where}: malformed manifest: no "arrays" object')
+    _check_keys(data["arrays"], data.get("tree"), where)
+    arrays = {k: _array_info(k, v, where, sealed=version >= 2) for k, v in data["arrays"].items()}
+    prefix = data.get("data", "")
+    if prefix != "" and not (isinstance(prefix, str) and _DATA_PREFIX.match(prefix)):
+      raise _errors.ManifestError(f"{where}: malformed manifest: data prefix {prefix!r}")
+    try:
+      return cls(
+        arrays=arrays,
+        tree=data.get("tree"),
+        step=data.get("step"),
+        metadata=data.get("metadata") or {},
+        source=data.get("source") or {},
+        schema=data.get("schema"),
+        created=data.get("created", ""),
+        format_version=version,
+        data=prefix,
+      )
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+      raise _errors.ManifestError(f"{where}: malformed manifest entry: {e!r}") from e
+
+
+def seal(data: dict) -> bytes:
+  """The manifest file for `data`: its JSON with a sha256 of its canonical form added."""
+  body = {k: v for k, v in data.items() if k != "checksum"}
+  sealed = {**body, "checksum": "sha256:" + hashlib.sha256(_canonical(body)).hexdigest()}
+  return json.dumps(sealed, indent=1, allow_nan=False).encode()
+
+
+def _canonical(data: dict) -> bytes:
+  return json.dumps(data, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _check_seal(data: dict, where: str) -> None:
+  stored = data.pop("checksum", None)
+  try:
+    computed = "sha256:" + hashlib.sha256(_canonical(data)).hexdigest()
+  except ValueError as e:  # NaN or infinity: never written by a save
+    raise _errors.ManifestError(f"{where}: the manifest holds {e}") from e
+  if stored != computed:
+    raise _errors.ManifestError(
+      f"{where}: the manifest's checksum does not match its content (edited or damaged "
+      f"after the save; stored {stored!r}, computed {computed!r})"
+    )
+
+
+def _check_keys(arrays: dict, tree: Any, where: str) -> None:
+  """Every key is one a save could write, none lies below another, the tree names them all."""
+  bad = _keypath.problems(arrays)
+  if tree is not None:
+    leaves = _tree_leaves(tree)
+    if leaves is None or sorted(leaves) != sorted(arrays):
+      bad.append("the tree outline does not name exactly the stored arrays")
+  if bad:
+    raise _errors.ManifestError(
+      f"{where}: malformed manifest: keys that cannot name arrays inside the checkpoint:\n"
+      + _errors.bullet_list(bad)
+    )
+
+
+def _tree_leaves(tree: Any) -> list[str] | None:
+  """The keys at the leaves of a tree outline; None if a leaf is not a string."""
+  if isinstance(tree, str):
+    return [tree]
+  children = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, list) else None
+  if children is None:
+    return None
+  out: list[str] = []
+  for child in children:
+    leaves = _tree_leaves(child)
+    if leaves is None:
+      return None
+    out += leaves
+  return out
+
+
+def _array_info(key: str, data: Any, where: str, sealed: bool) -> ArrayInfo:
+  """One `arrays` entry, checked enough that reading its size or dtype cannot fail later."""
+  try:
+    info = ArrayInfo.from_json(data)
+  except (KeyError, TypeError, AttributeError, ValueError) as e:
+    raise _errors.ManifestError(f"{where}: malformed manifest entry `{key}`: {e!r}") from e
+  problem = None
+  dims = (*info.shape, *info.chunks)
+  if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
+    problem = f"shape {list(info.shape)} / chunks {list(info.chunks)} are not sizes"
+  elif len(info.chunks) != len(info.shape) or not all(info.chunks):
+    problem = f"chunks {list(info.chunks)} do not fit shape {list(info.shape)}"
+  else:
+    try:
+      _itemsize(info.dtype)
+    except TypeError:
+      problem = f"unknown dtype {info.dtype!r}"
+  if problem is None and sealed:
+    checked = _attach_checksums(info, data.get("chunk_crc32c"))
+    if isinstance(checked, ArrayInfo):
+      return checked
+    problem = checked
+  if problem:
+    raise _errors.ManifestError(f"{where}: malformed manifest entry `{key}`: {problem}")
+  return info
+
+
+def _attach_checksums(info: ArrayInfo, text: Any) -> ArrayInfo | str:
+  """`info` with its chunk checksums, or what is wrong with them."""
+  if not isinstance(text, str):
+    return "no chunk checksums (chunk_crc32c)"
+  try:
+    table = _chunks.decode(text, info.shape, info.chunks)
+  except (ValueError, UnicodeEncodeError) as e:
+    return f"chunk checksums: {e}"
+  return dataclasses.replace(info, checksums=table)
+
+
+def read(location: _location.Location, *, staged: bool = False) -> Manifest:
+  """Reads the manifest of a committed checkpoint, or says why there is none.
+
+  `staged`: `location` is a committed save's staging directory, read on purpose.
+  """
+  where = str(location)
+  target = location.local_dir and not staged and _location.staged_for(location.local_dir)
+  if target:  # it may hold a manifest: written just before the rename that commits
+    raise _errors.CheckpointNotFoundError(
+      f"{where}: not a checkpoint but the staging directory of a save to {target} "
+      "(still running, or it died before committing; the next save there removes it)"
+    )
+  result = _location.kvstore(location).read(MANIFEST_KEY).result()
+  if result.state != "value":
+    raise _errors.CheckpointNotFoundError(_why_missing(location))
+  return Manifest.from_bytes(result.value, f"{where}/{MANIFEST_KEY}")
+
+
+def _why_missing(location: _location.Location) -> str:
+  where = str(location)
+  unfinished = (
+    f"{where}: no committed checkpoint (a save to this path started and has not committed: "
+    "still running, or it died)"
+  )
+  if location.local_dir is not None:
+    if _location.staging_dirs(location.local_dir):
+      return unfinished
+    if not os.path.exists(location.local_dir):
+      return f"{where}: no checkpoint here (the path does not exist)"
+    if not os.path.isdir(location.local_dir):
+      return f"{where}: a file, not a checkpoint directory"
+  else:
+    try:
+      lock = _location.kvstore(location).read(".ucp-lock").result().state == "value"  # _commit's
+    except _errors.StorageError:
+      lock = False
+    if lock:
+      return unfinished
+    if location.url.startswith("memory://"):
+      return (
+        f"{where}: no committed checkpoint ({MANIFEST_KEY} is missing; a memory:// checkpoint "
+        "lives only in the process that saved it)"
+      )
+  return f"{where}: no committed checkpoint ({MANIFEST_KEY} is missing)"

@@ -1,0 +1,302 @@
+"""`open`: a read-only view of a checkpoint, for inspection and for other tools.
+
+Every read checks what it returns: a chunk that is missing, damaged, or not the
+one the manifest recorded at its place is an error, never zeros or another
+chunk's data. A local checkpoint is read through a descriptor of the directory
+opened with the manifest, so an overwrite during the read cannot mix two saves.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import crc32c
+import numpy as np
+import tensorstore as ts
+
+from ucp_jax import _errors
+from ucp_jax.store import _chunks, _commit, _direct, _location, _manifest, _verify, _zarr
+
+
+class Checkpoint:
+  """A committed checkpoint, opened read-only.
+
+  Example:
+    >>> import numpy as np, ucp_jax
+    >>> _ = ucp_jax.save("/tmp/ucp_doc_open", {"a": {"b": np.arange(6).reshape(2, 3)}},
+    ...                  overwrite=True)
+    >>> ckpt = ucp_jax.open("/tmp/ucp_doc_open")
+    >>> ckpt.keys(), ckpt["a/b"].shape
+    (['a/b'], (2, 3))
+    >>> ckpt.read("a/b", np.s_[:, 1:])
+    array([[1, 2],
+           [4, 5]])
+  """
+
+  checksummed = True
+  """Whether `verify` checks every chunk against a checksum (False for other formats' files)."""
+
+  def __init__(self, location: _location.Location, manifest: _manifest.Manifest):
+    self.location = location
+    self.manifest = manifest
+    self.data = location.child(manifest.data)  # where the arrays live
+    self._stores: dict[str, ts.TensorStore] = {}
+
+  @property
+  def step(self) -> int | None:
+    return self.manifest.step
+
+  @property
+  def metadata(self) -> dict:
+    return self.manifest.metadata
+
+  @property
+  def nbytes(self) -> int:
+    return self.manifest.nbytes
+
+  def keys(self) -> list[str]:
+    return sorted(self.manifest.arrays)
+
+  def __contains__(self, key: str) -> bool:
+    return key in self.manifest.arrays
+
+  def __getitem__(self, key: str) -> _manifest.ArrayInfo:
+    try:
+      return self.manifest.arrays[key]
+    except KeyError:
+      raise KeyError(f"{self.location}: no array {key!r} in this checkpoint") from None
+
+  def tensorstore(self, key: str) -> ts.TensorStore:
+    """The stored array as a TensorStore handle (lazy; index it, then `.read()`)."""
+    self[key]
+    if key not in self._stores:
+      self._stores[key] = _zarr.wait_open(self.location, key, self.open_future(key))
+    return self._stores[key]
+
+  def open_future(self, key: str) -> ts.Future:
+    """Opens `key` as a lazy, read-only TensorStore whose every chunk read is checked."""
+    return _checked_store(self, key)
+
+  def files(self, key: str) -> _direct.ArrayFiles | None:
+    """The chunk files of `key`, when they can be read without TensorStore (local, raw)."""
+    info = self[key]
+    if self.data.local_dir is None or not _direct.ENABLED or info.compression is not None:
+      return None
+    return _direct.ArrayFiles(
+      self.data.io_path(key), os.path.join(self.data.local_dir, key), key, info, self.data.pin
+    )
+
+  def replaced(self) -> bool:
+    """Whether another save has replaced the checkpoint at this path since it was opened."""
+    try:
+      now = _manifest.read(_location.resolve(str(self.location)))
+    except _errors.UcpError:
+      return True
+    return now.to_bytes() != self.manifest.to_bytes()
+
+  def read(self, key: str, index: Any = ()) -> np.ndarray:
+    """Reads `key` (or the region `index` of it, numpy-style) into host memory.
+
+    Raises:
+      CorruptCheckpointError: a chunk fails its checksum or is missing.
+    """
+    store = self.tensorstore(key)
+    try:
+      return _zarr.read_region(self.location, key, store[index] if index != () else store)
+    except _errors.CorruptCheckpointError as e:
+      raise if_replaced(self, e) from e
+
+  def verify(self, on_array=None) -> dict[str, str]:
+    """Reads every chunk back; returns the problems found by key (empty if sound).
+
+    Example:
+      >>> import numpy as np, ucp_jax
+      >>> _ = ucp_jax.save("/tmp/ucp_doc_verify", {"x": np.ones(3)}, overwrite=True)
+      >>> ucp_jax.open("/tmp/ucp_doc_verify").verify()
+      {}
+    """
+    return _verify.verify(self, on_array)
+
+  def __repr__(self) -> str:
+    return (
+      f"Checkpoint({str(self.location)!r}, step={self.step}, arrays={len(self.manifest.arrays)}, "
+      f"bytes={self.nbytes})"
+    )
+
+
+def if_replaced(ckpt: Checkpoint, error: _errors.CorruptCheckpointError) -> Exception:
+  """The error to raise for a failed read: a ConcurrentWriteError if another save replaced
+  the checkpoint meanwhile (its old chunks deleted under the read), else `error`."""
+  base = getattr(ckpt, "base", ckpt)
+  if isinstance(base, Checkpoint) and base.replaced():
+    return _errors.ConcurrentWriteError(
+      f"{base.location}: the checkpoint was replaced by another save during the read, "
+      f"whose files went away under it ({error}); open it again to read the new one"
+    )
+  return error
+
+
+_OPENERS: list[Callable[[Any], Checkpoint | None]] = []
+
+
+def register_opener(opener: Callable[[Any], Checkpoint | None]) -> None:
+  """Adds a way to open what is not a ucp_jax checkpoint (the sources register theirs)."""
+  if opener not in _OPENERS:
+    _OPENERS.append(opener)
+
+
+def open(path: str | os.PathLike | Checkpoint) -> Checkpoint:
+  """Opens a checkpoint read-only: a committed ucp_jax checkpoint, or another format's.
+
+  A path that holds no ucp_jax checkpoint is offered to the registered openers: a
+  DeepSpeed folder, for instance, opens as a read-only view of the arrays `convert`
+  would write.
+
+  Raises:
+    CheckpointNotFoundError: no committed checkpoint at `path`, and no source recognizes it.
+    ManifestError: the manifest is truncated, foreign, edited, or of a newer format.
+    SourceFormatError: a source recognized `path` but cannot read it.
+  """
+  if isinstance(path, Checkpoint):  # already open (or a mapped view of one)
+    return path
+  try:
+    return _open_committed(path)
+  except _errors.CheckpointNotFoundError:
+    for opener in _OPENERS:
+      view = opener(path)
+      if view is not None:
+        return view
+    raise
+
+
+def _open_committed(path: str | os.PathLike) -> Checkpoint:
+  location = _location.resolve(path)
+  if location.local_dir is not None and _location.staged_for(location.local_dir) is None:
+    staged = _commit.interrupted_swap(location.local_dir)
+    if staged is not None:  # committed, the rename into place cut short: read it where it is
+      pinned = _location.pin(location, staged)
+      location = pinned if pinned.io_dir is not None else _location.resolve(staged)
+      return Checkpoint(location, _manifest.read(location, staged=True))
+  location = _location.pin(location)
+  return Checkpoint(location, _manifest.read(location))
+
+
+def _checked_store(ckpt: Checkpoint, key: str) -> ts.Future:
+  """A future of `key` as a read-only virtual TensorStore that checks each chunk it reads.
+
+  TensorStore asks for whole chunks (the stored chunk grid); each is read either
+  from its file directly (local, raw) or through the zarr array, and compared with
+  the manifest's checksum for its place before TensorStore sees it.
+  """
+  info = ckpt[key]
+  files = ckpt.files(key)
+  if files is not None:
+    return _ready(_virtual(info, lambda index, out: _read_file_chunk(files, index, out)))
+  opened = _zarr.open_array(ckpt.data, key)
+  where = f"{ckpt.data}/{key}"
+  return _then(opened, lambda stored: _virtual(info, _ZarrChunks(stored, where, key, info, ckpt)))
+
+
+def _virtual(info: _manifest.ArrayInfo, read_chunk) -> ts.TensorStore:
+  chunks = info.chunks
+
+  def read(domain: ts.IndexDomain, out: np.ndarray, _params) -> ts.Future:
+    index = tuple(d.inclusive_min // c for d, c in zip(domain, chunks))
+    promise, future = ts.Promise.new()
+
+    def run():
+      try:
+        done = read_chunk(index, out)
+      except BaseException as e:
+        promise.set_exception(e)
+        return
+      if done is None:
+        promise.set_result(None)
+        return
+      done.add_done_callback(lambda f: _settle(promise, f))
+
+    _direct.submit(run)
+    return future
+
+  layout = ts.ChunkLayout(read_chunk_shape=chunks) if chunks else None
+  return ts.virtual_chunked(
+    read,
+    dtype=ts.dtype(info.dtype),
+    shape=info.shape,
+    chunk_layout=layout,
+    context=_location.CONTEXT,
+  )
+
+
+def _settle(promise: ts.Promise, future) -> None:
+  try:
+    future.result()
+  except BaseException as e:
+    promise.set_exception(e)
+  else:
+    promise.set_result(None)
+
+
+def _read_file_chunk(files: _direct.ArrayFiles, index: tuple[int, ...], out: np.ndarray) -> None:
+  if out.shape == tuple(files.info.chunks) and out.flags.c_contiguous:
+    _direct.read_chunk_into(files, index, out)
+  else:  # an edge chunk: stored padded to the full chunk shape
+    out[...] = _direct.mapped_chunk(files, index)[tuple(slice(0, n) for n in out.shape)]
+
+
+class _ZarrChunks:
+  """Reads chunks of a stored zarr array through TensorStore, each checked against the manifest.
+
+  Holds the checkpoint's directory pin: the store may outlive the `Checkpoint` object.
+  """
+
+  def __init__(self, stored: ts.TensorStore, where: str, key: str, info, ckpt: Checkpoint):
+    self._stored, self._where, self._key, self._info = stored, where, key, info
+    self._pin = ckpt.data.pin
+
+  def __call__(self, index: tuple[int, ...], out: np.ndarray) -> ts.Future:
+    """Starts reading chunk `index`; checks it before filling `out`."""
+    info = self._info
+    read = self._stored[_chunks.chunk_region(index, info.chunks, info.shape)].read()
+    promise, future = ts.Promise.new()
+
+    def check(done: ts.Future) -> None:
+      try:
+        data = done.result()
+        expected = info.expected_crc(index)
+        if expected is not None:
+          computed = crc32c.crc32c(_chunks.raw_bytes(_chunks.padded(data, info.chunks)))
+          if computed != expected:
+            shown = f"{self._where}/c" + "".join(f"/{i}" for i in index)
+            message = _direct.misplaced(shown, self._key, computed, expected)
+            raise _errors.CorruptCheckpointError(message)
+        out[...] = data
+      except BaseException as e:
+        promise.set_exception(e)
+      else:
+        promise.set_result(None)
+
+    read.add_done_callback(check)
+    return future
+
+
+def _ready(value: Any) -> ts.Future:
+  promise, future = ts.Promise.new()
+  promise.set_result(value)
+  return future
+
+
+def _then(future: ts.Future, fn) -> ts.Future:
+  """A future of `fn(result)`, once `future` is done."""
+  promise, result = ts.Promise.new()
+
+  def done(f: ts.Future) -> None:
+    try:
+      promise.set_result(fn(f.result()))
+    except BaseException as e:
+      promise.set_exception(e)
+
+  future.add_done_callback(done)
+  return result

@@ -1,0 +1,102 @@
+"""Reads every chunk of a checkpoint back and checks it against the manifest."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ucp_jax.store import _chunks, _location, _zarr
+
+if TYPE_CHECKING:
+  from ucp_jax.store._reader import Checkpoint
+
+_BLOCK_BYTES = 64 << 20
+
+
+def verify(ckpt: Checkpoint, on_array: Callable[[str, int], None] | None = None) -> dict[str, str]:
+  """Problems found, by key (empty when the checkpoint is sound).
+
+  Checks, for every array: the zarr metadata agrees with the manifest, the chunk
+  files are exactly those of the chunk grid (none missing, none extra), and every
+  chunk reads back with a valid crc32c that is the one the manifest recorded for
+  its place. `on_array(key, nbytes)` is called after each array, for progress.
+  """
+  problems: dict[str, str] = {}
+  kvstore = _location.kvstore(ckpt.data)
+  for key in ckpt.keys():
+    info = ckpt[key]
+    try:
+      problem = _check_array(ckpt, kvstore, key)
+    except Exception as e:  # report every bad key, not just the first
+      problem = _location.error_text(e).removeprefix(f"{ckpt.location}: `{key}`: ")
+      problem = problem.removeprefix("cannot read stored data: ")
+    if problem:
+      problems[key] = problem
+    if on_array is not None:
+      on_array(key, info.nbytes)
+  return problems
+
+
+def _check_array(ckpt: Checkpoint, kvstore, key: str) -> str | None:
+  info = ckpt[key]
+  stored = _zarr.wait_open(ckpt.location, key, _zarr.open_array(ckpt.data, key))
+  chunks = tuple(stored.chunk_layout.read_chunk.shape or ())
+  if (tuple(stored.shape), stored.dtype.numpy_dtype, chunks) != (
+    info.shape,
+    np.dtype(info.dtype),
+    info.chunks,
+  ):
+    return (
+      f"zarr metadata says {tuple(stored.shape)} {stored.dtype.numpy_dtype} in chunks "
+      f"{chunks}, the manifest {info.shape} {info.dtype} in chunks {info.chunks}"
+    )
+  store = ckpt.tensorstore(key)
+  chunks = info.chunks
+  if info.shape:
+    listed = kvstore.list(_location.prefix_range(f"{key}/c/")).result()
+    found = {k.decode().removeprefix(f"{key}/") for k in listed}
+  else:  # the one chunk of a 0-d array is the key `c` itself
+    found = {"c"} if kvstore.read(f"{key}/c").result().state == "value" else set()
+  expected = set(_chunk_names(info))
+  if expected - found:
+    missing = len(expected - found)
+    return f"{missing} of {len(expected)} chunks missing: {_missing(ckpt, key, found)}"
+  if found - expected:
+    extra = sorted(found - expected)
+    shown = ", ".join(f"{ckpt.data}/{key}/{name}" for name in extra[:3])
+    return f"{len(extra)} chunk files outside the chunk grid: {shown}" + (
+      ", ..." if len(extra) > 3 else ""
+    )
+  step = max(1, _BLOCK_BYTES // max(1, math.prod(info.shape[1:]) * np.dtype(info.dtype).itemsize))
+  if info.shape:
+    step = max(chunks[0], step - step % chunks[0])
+    n = info.shape[0]
+    blocks = [store[i : min(i + step, n)] for i in range(0, n, step)]
+  else:
+    blocks = [store]
+  pending = []
+  for block in blocks:  # a few blocks in flight: bounded memory, overlapped reads
+    pending.append(block.read())
+    if len(pending) >= 4:
+      _zarr.wait_read(ckpt.location, key, pending.pop(0))
+  for f in pending:
+    _zarr.wait_read(ckpt.location, key, f)
+  return None
+
+
+def _chunk_names(info) -> Iterator[str]:
+  """The chunk keys of an array, relative to it (`c/0/1`; `c` for a 0-d array)."""
+  grid = [range(n) for n in _chunks.grid(info.shape, info.chunks)]
+  return ("/".join(["c", *map(str, index)]) for index in itertools.product(*grid))
+
+
+def _missing(ckpt: Checkpoint, key: str, found: set[str], limit: int = 3) -> str:
+  """The first few missing chunk files, by path (`found`: the chunk keys present)."""
+  names = _chunk_names(ckpt[key])
+  missing = list(itertools.islice((n for n in names if n not in found), limit + 1))
+  shown = [f"{ckpt.data}/{key}/{name}" for name in missing[:limit]]
+  return ", ".join(shown) + (", ..." if len(missing) > limit else "")

@@ -1,0 +1,179 @@
+"""How one logical array is laid out: a zarr v3 array with checksummed, shard-aligned chunks.
+
+Each logical array is a zarr v3 array at its key path below the checkpoint root, with
+crc32c-checked chunks and optional zstd compression.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with numpy)
+import numpy as np
+import tensorstore as ts
+
+from ucp_jax import _errors
+from ucp_jax.store._location import Location, context, error_text
+
+CHUNK_BYTES = 4 << 20
+"""Largest chunk written: small enough that a restore onto another mesh reads little extra."""
+
+
+def zarr_dtype(dtype: np.dtype) -> str:
+  """The zarr v3 data type name of a numpy dtype (bfloat16, float8_e4m3fn, ... included)."""
+  name = np.dtype(dtype).name
+  ts.dtype(name)  # raises for dtypes TensorStore cannot store
+  return name
+
+
+def choose_chunks(
+  shape: Sequence[int], shard_shape: Sequence[int], itemsize: int, limit: int = CHUNK_BYTES
+) -> tuple[int, ...]:
+  """Chunk shape aligned to the save-time shards, split further while larger than `limit`.
+
+  A sharded dimension is only ever split by a divisor of its shard extent, so no chunk
+  straddles two shards and writers on different hosts never share a chunk. An
+  unsharded dimension may be split anywhere. Leading dimensions are split first, so
+  a chunk is a contiguous block of its shard: written with one `writev` and read with
+  one `readinto` straight into a device buffer. A restore sharded another way reads
+  each chunk once per host and scatters it.
+  """
+  chunk = [max(1, s) for s in shard_shape]
+  sharded = [s < full for s, full in zip(shard_shape, shape)]
+  while math.prod(chunk) * itemsize > limit and _split_once(chunk, sharded):
+    pass
+  return tuple(chunk)
+
+
+def _split_once(chunk: list[int], sharded: list[bool]) -> bool:
+  """Splits the leading splittable dimension in place; a prime shard only as a last resort."""
+  for allow_prime in (False, True):
+    for i in range(len(chunk)):
+      if chunk[i] <= 1:
+        continue
+      if not sharded[i]:
+        chunk[i] = -(-chunk[i] // 2)
+        return True
+      factor = _smallest_factor(chunk[i])
+      if factor < chunk[i] or allow_prime:
+        chunk[i] //= factor
+        return True
+  return False
+
+
+def _smallest_factor(n: int) -> int:
+  for f in range(2, math.isqrt(n) + 1):
+    if n % f == 0:
+      return f
+  return n
+
+
+def array_spec(
+  location: Location,
+  key: str,
+  *,
+  shape: Sequence[int],
+  dtype: np.dtype,
+  chunks: Sequence[int],
+  compression: str | None = None,
+) -> dict:
+  """A TensorStore spec that creates the zarr v3 array for `key`."""
+  check_compression(compression)
+  codecs: list[dict] = [{"name": "bytes", "configuration": {"endian": "little"}}]
+  if compression == "zstd":
+    codecs.append({"name": "zstd", "configuration": {"level": 3}})
+  codecs.append({"name": "crc32c"})
+  return {
+    "driver": "zarr3",
+    "kvstore": location.kvstore_spec(key),
+    "metadata": {
+      "shape": list(shape),
+      "data_type": zarr_dtype(dtype),
+      "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunks)}},
+      "chunk_key_encoding": {"name": "default"},
+      "codecs": codecs,
+      "fill_value": _fill_value(dtype),
+    },
+    "create": True,
+    "delete_existing": True,
+    "store_data_equal_to_fill_value": True,  # every chunk exists, so `verify` can count them
+  }
+
+
+COMPRESSIONS = (None, "zstd")
+
+
+def check_compression(compression: str | None) -> None:
+  if compression not in COMPRESSIONS:
+    raise _errors.InvalidArgumentError(
+      f"compression={compression!r}: use None (raw chunks, the default) or 'zstd'"
+    )
+
+
+def check_chunk_bytes(chunk_bytes: int) -> None:
+  if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+    raise _errors.InvalidArgumentError(
+      f"chunk_bytes={chunk_bytes!r}: the largest chunk must be a positive number of bytes "
+      f"(default {CHUNK_BYTES})"
+    )
+
+
+def _fill_value(dtype: np.dtype):
+  kind = np.dtype(dtype).kind
+  if kind == "b":
+    return False
+  if kind == "c":
+    return [0.0, 0.0]
+  return 0 if kind in "iu" else 0.0
+
+
+def create_array(spec: dict, durable: bool = True) -> ts.Future:
+  return ts.open(spec, context=context(durable))
+
+
+def open_array(location: Location, key: str, durable: bool = True) -> ts.Future:
+  """Opens the stored array `key` for reading (and writing into, by a save in progress).
+
+  A missing chunk is an error, never the fill value: every chunk of a committed
+  checkpoint exists, so one that does not was lost, moved or deleted.
+  """
+  return ts.open(
+    {
+      "driver": "zarr3",
+      "kvstore": location.kvstore_spec(key),
+      "recheck_cached_data": False,
+      "store_data_equal_to_fill_value": True,
+      "fill_missing_data_reads": False,
+    },
+    context=context(durable),
+  )
+
+
+def read_region(location: Location, key: str, view: ts.TensorStore) -> np.ndarray:
+  return wait_read(location, key, view.read())
+
+
+def wait_read(location: Location, key: str, future: ts.Future) -> np.ndarray:
+  """The result of a read, with storage errors named by checkpoint and key."""
+  return _wait(location, key, future, "cannot read stored data")
+
+
+def wait_open(location: Location, key: str, future: ts.Future) -> ts.TensorStore:
+  """The result of opening a stored array, with storage errors named by checkpoint and key."""
+  return _wait(location, key, future, "cannot open stored array")
+
+
+def _wait(location: Location, key: str, future: ts.Future, what: str) -> Any:
+  try:
+    return future.result()
+  except _errors.UcpError:
+    raise
+  except ValueError as e:
+    text = error_text(e)
+    if location.io_dir:  # paths as the user named them, not through /proc/self/fd
+      text = text.replace(location.io_dir, location.local_dir)
+    if text.startswith(f"{location}"):  # one of ours, raised in a chunk read
+      raise _errors.CorruptCheckpointError(text) from e
+    raise _errors.CorruptCheckpointError(f"{location}: `{key}`: {what}: {text}") from e

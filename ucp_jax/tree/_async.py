@@ -1,0 +1,165 @@
+"""`save_async`: copy the state to host memory, then write it in a background thread.
+
+Only the device-to-host copy blocks the caller. The copies are real host copies
+(never views of device buffers), so the next training step may donate or
+overwrite the state while the write goes on. One async save is in flight at a
+time: the next `save`/`save_async`/`wait_until_finished` waits for it first, and
+raises its error if nobody has seen it yet. Multi-process saves agree through
+`jax.distributed`'s key-value store (`_multihost.Sync`), never through device
+collectives, so the background thread cannot interleave collectives with a step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import numpy as np
+
+from ucp_jax.store import _location, _manifest, _multihost, _writer, _zarr
+from ucp_jax.tree import _pending, _save
+from ucp_jax.tree._pending import SaveHandle as SaveHandle
+
+
+@dataclasses.dataclass
+class Job:
+  """A planned save whose data is in host memory: `run` writes and commits it."""
+
+  target: _location.Location
+  entries: list[_writer.Entry]
+  manifest: _manifest.Manifest
+  sync: _multihost.Sync
+  overwrite: bool
+  compression: str | None
+  max_host_bytes: int
+  durable: bool = True
+
+  def run(self) -> str:
+    _save.write(
+      self.target,
+      self.entries,
+      self.manifest,
+      self.sync,
+      overwrite=self.overwrite,
+      compression=self.compression,
+      max_host_bytes=self.max_host_bytes,
+      durable=self.durable,
+    )
+    return str(self.target)
+
+
+def save_async(
+  path: str | os.PathLike,
+  tree: Any,
+  *,
+  step: int | None = None,
+  metadata: dict | None = None,
+  overwrite: bool = False,
+  compression: str | None = None,
+  max_host_bytes: int = _save.DEFAULT_HOST_BYTES,
+  chunk_bytes: int = _zarr.CHUNK_BYTES,
+  durable: bool = True,
+  schema: dict | None = None,
+  source: dict | None = None,
+) -> SaveHandle:
+  """Saves like `save`, writing in the background once the state is in host memory.
+
+  Blocks only while this process's shards are copied from the devices to host
+  memory (every copy started at once); the arrays, creation, writes and commit
+  then run in a background thread, so training continues, and may donate or
+  overwrite the state. Host memory holds a copy of this process's shards until
+  the write is done. A later `save`, `save_async` or `wait_until_finished` first
+  waits for this save; if it failed, the first of these (or `result()`) raises
+  its error, and the previous checkpoint at `path` is left as it was. Options
+  are those of `save`; every process of a multi-process run calls it.
+
+  Example:
+    >>> import jax.numpy as jnp, ucp_jax
+    >>> handle = ucp_jax.save_async("/tmp/ucp_doc_async", {"w": jnp.ones(4)}, overwrite=True)
+    >>> # ... the training goes on while the checkpoint is written ...
+    >>> handle.result()
+    '/tmp/ucp_doc_async'
+
+  Args:
+    path: local directory or kvstore URL (`memory://`, `gs://`, `s3://`, `file://`).
+    tree: the state to save.
+    step: training step recorded in the manifest.
+    metadata: JSON-serializable user metadata recorded in the manifest.
+    overwrite: replace an existing checkpoint at `path`.
+    compression: None (default) or "zstd".
+    max_host_bytes: bound on bytes handed to the store at once while writing.
+    chunk_bytes: largest zarr chunk.
+    durable: fsync before the commit (see `save`).
+    schema: universal parameter schema (filled by the Flax/Optax helpers).
+    source: description of where the state came from (filled by converters).
+
+  Returns:
+    A `SaveHandle`: `done()`, and `result()`, which returns the checkpoint's
+    location or raises the save's error.
+  """
+  _pending.wait_until_finished()
+  job = snapshot(
+    path,
+    tree,
+    overwrite=overwrite,
+    compression=compression,
+    max_host_bytes=max_host_bytes,
+    durable=durable,
+    step=step,
+    metadata=metadata,
+    chunk_bytes=chunk_bytes,
+    schema=schema,
+    source=source,
+  )
+  handle = SaveHandle(str(job.target))
+  _pending.start(handle, job.run, name=f"ucp_jax.save_async {path}")
+  return handle
+
+
+def snapshot(
+  path: str | os.PathLike,
+  tree: Any,
+  *,
+  overwrite: bool,
+  compression: str | None,
+  max_host_bytes: int,
+  durable: bool = True,
+  **options,
+) -> Job:
+  """Plans a save with the other processes and copies this process's shards to host memory."""
+  _zarr.check_compression(compression)
+  target = _location.resolve(path)
+  sync = _multihost.Sync(str(target))
+
+  def plan() -> tuple[list[_writer.Entry], _manifest.Manifest]:
+    entries, manifest = _save.prepare(tree, **options)
+    return _host_copies(entries), manifest
+
+  # Agreed like `save`'s planning, so a leaf rejected (or a copy failed) on one process stops all.
+  entries, manifest = _writer.together(sync, target, "checking the tree", plan)
+  return Job(target, entries, manifest, sync, overwrite, compression, max_host_bytes, durable)
+
+
+def _host_copies(entries: list[_writer.Entry]) -> list[_writer.Entry]:
+  """The entries with host copies of the shards this process writes, and no device arrays."""
+  owned: dict[str, list] = {e.key: [] for e in entries}
+  # _owned_shards starts every device-to-host copy before the first one is waited for.
+  for entry, index, data in _writer.owned_shards(entries, _multihost.is_primary()):
+    owned[entry.key].append((index, _host_copy(data)))
+  return [dataclasses.replace(e, value=None, owned=tuple(owned[e.key])) for e in entries]
+
+
+def _host_copy(data: Any) -> np.ndarray:
+  """Host data that nothing else can change: never a view of a device buffer or the caller's array.
+
+  On GPU/TPU `np.asarray` transfers into fresh host memory already; on CPU it may be
+  a view of the device buffer (which a donating step would then keep alive, or a
+  later write change), and a numpy leaf is the caller's own array: both are copied.
+  """
+  if isinstance(data, jax.Array):
+    platform = next(iter(data.devices())).platform
+    if platform != "cpu" and data.sharding.memory_kind in (None, "device"):
+      return np.asarray(data)
+  return np.array(data, copy=True)

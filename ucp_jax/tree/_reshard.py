@@ -1,0 +1,177 @@
+"""`reshard`: live state moved to another mesh or sharding, in memory."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from ucp_jax import _errors
+from ucp_jax.store import _direct, _hostmem, _regions
+from ucp_jax.tree import _tree
+
+
+def reshard(tree: Any, shardings: Any, *, method: str = "auto") -> Any:
+  """Moves every array of `tree` onto the matching sharding of `shardings`.
+
+  On CPU, the default copies each target shard out of the source shards in host
+  memory: 3x-5x faster than `jax.device_put` the first time a layout change is
+  made (device_put compiles then), slower once device_put has compiled it, because
+  XLA's copy then reuses warm allocator memory (pass `method="device_put"` for a
+  reshard repeated in a loop). Elsewhere (GPU, TPU), and when the source lives
+  partly on other processes, XLA's collectives do the move.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, ucp_jax
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])
+    >>> x = ucp_jax.reshard({"w": jnp.ones((4, 4)), "step": 3}, NamedSharding(mesh, P("x")))
+    >>> x["w"].sharding.spec == P("x"), x["step"]
+    (True, 3)
+
+  Args:
+    tree: a pytree of `jax.Array`s; Python numbers in it (a step count) come back as
+      they are.
+    shardings: a matching pytree of `jax.sharding.Sharding`s (a Python number's entry,
+      if any, is ignored), or one sharding for all.
+    method: "auto", "host" (host copy; CPU arrays on one process only) or "device_put".
+
+  Returns:
+    The same tree on the new shardings; the input is left as it was.
+  """
+  if method not in ("auto", "host", "device_put"):
+    raise ValueError(f"method must be 'auto', 'host' or 'device_put', got {method!r}")
+  flat, unflatten = _tree.flatten(tree)
+  numbers = {k: x for k, x in flat.items() if isinstance(x, _NUMBERS)}
+  arrays = {k: x for k, x in flat.items() if k not in numbers}
+  targets = _target_shardings(arrays, shardings, numbers)
+  _check(arrays, targets)
+  problems = [] if method == "device_put" else _host_copy_problems(arrays, targets)
+  if method == "host" and problems:
+    raise ValueError(
+      "method='host' copies in this process's memory, which cannot move these arrays "
+      "(use method='auto' or 'device_put'):\n" + _errors.bullet_list(problems)
+    )
+  if method == "device_put" or problems:
+    return unflatten({**numbers, **_device_put(arrays, targets)})
+  started = {k: _start_host_reshard(x, targets[k]) for k, x in arrays.items()}
+  return unflatten({**numbers, **{k: finish() for k, finish in started.items()}})
+
+
+_NUMBERS = (bool, int, float, complex)  # Python numbers: no device, nothing to move
+
+
+def _device_put(arrays: dict[str, jax.Array], targets: dict[str, Any]) -> dict[str, jax.Array]:
+  """jax.device_put of every array; typed PRNG keys travel as their key data.
+
+  (device_put refuses key arrays that span several processes.)
+  """
+  values, impls = [], {}
+  for key, x in arrays.items():
+    # A NamedSharding lays out the key data too: its trailing key dimensions stay whole.
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) and isinstance(
+      targets[key], jax.sharding.NamedSharding
+    ):
+      impls[key] = jax.random.key_impl(x)
+      x = jax.random.key_data(x)
+    values.append(x)
+  moved = dict(zip(arrays, jax.device_put(values, [targets[k] for k in arrays])))
+  for key, impl in impls.items():
+    moved[key] = jax.random.wrap_key_data(moved[key], impl=impl)
+  return moved
+
+
+def _target_shardings(
+  flat: dict[str, Any], shardings: Any, numbers: dict[str, Any]
+) -> dict[str, jax.sharding.Sharding]:
+  if isinstance(shardings, jax.sharding.Sharding):
+    return dict.fromkeys(flat, shardings)
+  targets, _ = _tree.flatten(shardings)
+  targets = {k: s for k, s in targets.items() if k not in numbers}
+  missing = sorted(set(flat) - set(targets))
+  unexpected = sorted(set(targets) - set(flat))
+  if missing or unexpected:
+    lines = [f"{k}: array without a sharding" for k in missing]
+    lines += [f"{k}: sharding without an array" for k in unexpected]
+    raise _errors.TreeMismatchError("tree and shardings differ:\n" + _errors.bullet_list(lines))
+  return targets
+
+
+def _check(flat: dict[str, Any], targets: dict[str, jax.sharding.Sharding]) -> None:
+  bad, problems = [], []
+  for key, x in flat.items():
+    if not isinstance(x, jax.Array):
+      bad.append(f"{key}: {type(x).__qualname__} is not a jax.Array")
+      continue
+    problem = _regions.sharding_problem(targets[key], tuple(x.shape))
+    if problem:
+      problems.append(f"{key}: {problem}")
+  if bad:
+    raise _errors.UnsupportedLeafError(
+      "reshard moves jax.Arrays only:\n" + _errors.bullet_list(bad)
+    )
+  if problems:
+    raise _errors.ShardingError(
+      "shardings do not fit their arrays:\n" + _errors.bullet_list(problems)
+    )
+
+
+def _host_copy_problems(flat: dict[str, Any], targets: dict[str, Any]) -> list[str]:
+  """Why a host copy cannot do the move: it needs CPU arrays held wholly by this process."""
+  problems = []
+  for key, x in flat.items():
+    for what, sharding in (("array", x.sharding), ("target", targets[key])):
+      if not sharding.is_fully_addressable:
+        problems.append(f"{key}: the {what} spans devices of other processes")
+      elif any(d.platform != "cpu" for d in sharding.device_set):
+        problems.append(
+          f"{key}: the {what} is on {sorted({d.platform for d in sharding.device_set})}"
+        )
+  return problems
+
+
+def _start_host_reshard(x: jax.Array, target: jax.sharding.Sharding):
+  """Starts copying every target slice out of the source shards (threads: numpy frees the GIL).
+
+  Returns a function that waits for the copies and builds the resharded array.
+  """
+  if x.sharding == target:
+    return lambda: x
+  if x.sharding.is_equivalent_to(target, x.ndim):  # same data per device: relabel only
+    by_device = {s.device: s.data for s in x.addressable_shards}
+    return lambda: jax.make_array_from_single_device_arrays(
+      x.shape, target, [by_device[d] for d in target.addressable_devices]
+    )
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    return lambda: jax.device_put(x, target)
+  shape = tuple(x.shape)
+  sources = [
+    (_regions.normalize(s.index, shape), s.data) for s in x.addressable_shards if s.replica_id == 0
+  ]
+  copies = [
+    (devices, _direct.submit(_assemble, index, sources, x.dtype))
+    for index, devices in _regions.group_by_slice(target, shape)
+  ]
+
+  def finish() -> jax.Array:
+    buffers = {}
+    for devices, copy in copies:
+      host = copy.result()
+      for device in devices:
+        buffers[device] = _hostmem.to_device(host, device)
+    return jax.make_array_from_single_device_arrays(
+      shape, target, [buffers[d] for d in target.addressable_devices]
+    )
+
+  return finish
+
+
+def _assemble(index: tuple[slice, ...], sources: list, dtype) -> np.ndarray:
+  """The region `index` of the global array, copied out of the source shards."""
+  out = _hostmem.aligned_empty(tuple(s.stop - s.start for s in index), dtype)
+  for src_index, data in sources:
+    part = _regions.overlap(index, src_index)
+    if part is not None:
+      out[_regions.relative(part, index)] = np.asarray(data)[_regions.relative(part, src_index)]
+  return out
