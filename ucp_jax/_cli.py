@@ -171,7 +171,8 @@ def cmd_export(args, out: Console, err: Console) -> int:
   from ucp_jax.sinks import _export
 
   rules = _rule_set(args.rules)
-  options = {k: getattr(args, k) for k in ("zero_stage", "tag") if getattr(args, k) is not None}
+  names = ("zero_stage", "tag", "config", "max_shard_size", "dtype")
+  options = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
   with Reporter(err, "export") as progress:
     report = _export.export(
       args.checkpoint,
@@ -280,6 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
     "--zero-stage", type=int, choices=[1, 2, 3], help="deepspeed: target ZeRO stage (default: all)"
   )
   p.add_argument("--tag", help="deepspeed: checkpoint tag (default: global_step<N>)")
+  p.add_argument("--config", help="hf: the model's config.json (default: the one recorded)")
+  p.add_argument("--max-shard-size", help="hf: bytes per safetensors file (default: 5GB)")
+  p.add_argument("--dtype", help="hf: cast floating-point weights (bfloat16, float16, float32)")
   p.add_argument("--overwrite", action="store_true", help="replace an export at DST")
   p.add_argument(
     "--rules",

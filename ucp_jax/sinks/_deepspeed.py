@@ -22,10 +22,7 @@ with `torch.load(weights_only=True)`. torch is imported here, lazily: it is an o
 from __future__ import annotations
 
 import collections
-import glob
-import json
 import os
-import secrets
 import shutil
 import time
 from collections.abc import Callable
@@ -34,9 +31,9 @@ from typing import Any
 import numpy as np
 
 from ucp_jax import _errors
-from ucp_jax.sinks import _schema
+from ucp_jax.sinks import _folder, _schema
 from ucp_jax.sinks._report import ExportReport
-from ucp_jax.store import _commit, _location, _reader
+from ucp_jax.store import _reader
 
 DS_VERSION = "0.19.8"
 """The DeepSpeed version whose `load_universal` this layout is written for (and tested with)."""
@@ -46,7 +43,7 @@ MODEL_STATES_3 = "zero_pp_rank_0_mp_rank_00_model_states.pt"
 LATEST = "latest_universal"
 NAME = "deepspeed"
 DESCRIPTION = "a DeepSpeed universal checkpoint (`load_universal`), ZeRO-1/2/3, any DP degree"
-MARKER = "ucp_export.json"
+MARKER = _folder.MARKER
 """Written into every export: an existing `dst` is replaced only if it is an earlier export."""
 _ML_DTYPES_AS = {"bfloat16": "uint16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
 
@@ -73,31 +70,11 @@ def check_destination(dst: str | os.PathLike, *, overwrite: bool, tag: str | Non
   nothing but what an export writes. A DeepSpeed training folder (`latest`, `global_stepN/`
   with rank files) is refused whatever `overwrite` says, and nothing in it is touched.
   """
-  path = os.fspath(dst)
-  if "://" in path:
-    raise _errors.InvalidArgumentError(
-      f"{path}: a DeepSpeed export is written to a local directory"
-    )
   if tag is not None and not _schema.valid_name(tag):
     raise _errors.InvalidArgumentError(f"tag {tag!r}: not usable as a directory name")
-  path = os.path.abspath(path)
-  if os.path.isfile(path) or os.path.islink(path):
-    raise _errors.CheckpointExistsError(f"{path}: a file is in the way of the export")
-  blocker = _commit.file_above(path)
-  if blocker is not None:
-    raise _errors.CheckpointExistsError(f"{path}: {blocker} is a file, not a directory")
-  if os.path.isdir(path) and os.listdir(path):
-    in_the_way = _not_an_export(path)
-    if in_the_way:
-      raise _errors.CheckpointExistsError(
-        f"{path}: not an earlier ucp_jax export, so the export will not replace it (nothing "
-        "was deleted); in the way:\n" + _errors.bullet_list(in_the_way)
-      )
-    if not overwrite:
-      raise _errors.CheckpointExistsError(
-        f"{path}: an export exists already; pass overwrite=True (--overwrite) to replace it"
-      )
-  return path
+  return _folder.check_destination(
+    dst, overwrite=overwrite, not_an_export=_not_an_export, what="a DeepSpeed export"
+  )
 
 
 _TAG_FILES = {"zero": True, MODEL_STATES_1_2: False, MODEL_STATES_3: False}  # name -> a folder
@@ -129,12 +106,8 @@ def _not_an_export(path: str) -> list[str]:
 
 def _marked_tags(path: str) -> list[str] | None:
   """The tags `ucp_export.json` names, or None if it is missing or not ours."""
-  try:
-    with open(os.path.join(path, MARKER)) as f:
-      marker = json.load(f)
-  except (OSError, ValueError):
-    return None
-  if not isinstance(marker, dict) or marker.get("written_by") != "ucp_jax":
+  marker = _folder.read_marker(path, "deepspeed universal")
+  if marker is None:
     return None
   tags = marker.get("tags")
   return [t for t in tags if isinstance(t, str)] if isinstance(tags, list) else None
@@ -195,28 +168,14 @@ def write(
   torch = import_torch()
   global_steps = _int(plan.extra.get("global_steps"), plan.step)
   tag = tag or f"global_step{global_steps}"
-  parent, name = os.path.split(dst)
-  os.makedirs(parent, exist_ok=True)
-  staging = os.path.join(parent, f".{name}.ucp-export-{secrets.randbits(64):016x}")
-  lock = _commit.Lock(_location.resolve(dst), secrets.randbits(63))
-  lock.acquire()  # a second export to `dst` is turned away
-  try:
-    for stale in glob.glob(os.path.join(parent, f".{name}.ucp-export-*")):
-      shutil.rmtree(stale, ignore_errors=True)  # left by an export that died
+  with _folder.staged(dst) as staging:  # a second export to `dst` is turned away
     writer = _Writer(torch, ckpt, plan, os.path.join(staging, tag), progress)
     writer.write_params()
     writer.write_optimizer_state(3 in stages)
     writer.write_model_states(stages, global_steps)
     with open(os.path.join(staging, LATEST), "w") as f:
       f.write(tag)
-    with open(os.path.join(staging, MARKER), "w") as f:
-      json.dump({"written_by": "ucp_jax", "format": "deepspeed universal", "tags": [tag]}, f)
-    _commit.swap_into_place(staging, dst)
-  except BaseException:
-    shutil.rmtree(staging, ignore_errors=True)
-    raise
-  finally:
-    lock.release()
+    _folder.write_marker(staging, "deepspeed universal", tags=[tag])
   seconds = time.perf_counter() - start
   shown = "/".join(str(s) for s in stages)
   return ExportReport(
@@ -302,7 +261,7 @@ class _Writer:
   def _save(self, obj: Any, *parts: str) -> None:
     path = os.path.join(self.zero, *parts)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    self.torch.save(obj, path)
+    _save_synced(self.torch, obj, path)
 
   def _read(self, key: str) -> np.ndarray:
     array = self.ckpt.read(key)
@@ -398,12 +357,21 @@ class _Writer:
     names = [MODEL_STATES_1_2] if 1 in stages else []
     names += [MODEL_STATES_3] if 3 in stages else []
     first = os.path.join(self.root, names[0])
-    torch.save(states, first)
+    _save_synced(torch, states, first)
     for other in names[1:]:
       try:
         os.link(first, os.path.join(self.root, other))
       except OSError:
         shutil.copyfile(first, os.path.join(self.root, other))
+        _folder.sync_file(os.path.join(self.root, other))
+
+
+def _save_synced(torch, obj: Any, path: str) -> None:
+  """`torch.save`, then fsync: the export's data is on disk before its folder is renamed in."""
+  with open(path, "wb") as f:
+    torch.save(obj, f)
+    f.flush()
+    os.fsync(f.fileno())
 
 
 def _int(value: Any, default: int) -> int:

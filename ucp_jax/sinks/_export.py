@@ -69,6 +69,7 @@ def export(
     MissingDependencyError: torch is not installed (`pip install ucp_jax[torch]`).
   """
   sink = _registry.find(format)
+  _registry.check_option_names(sink, options)
   sink.check_options(dst, overwrite=overwrite, **options)  # before anything is read
   opened = ckpt if isinstance(ckpt, _reader.Checkpoint) else _reader.open(ckpt)
   naming = (opened.manifest.schema or {}).get("naming", "torch")

@@ -9,6 +9,7 @@ Adding a format is adding a module and a line here.
 from __future__ import annotations
 
 import importlib
+import inspect
 from types import ModuleType
 from typing import Protocol
 
@@ -17,6 +18,7 @@ from ucp_jax.sinks._report import ExportReport
 
 SINKS = {
   "deepspeed": "ucp_jax.sinks._deepspeed",
+  "hf": "ucp_jax.sinks._hf",
 }
 """Format name -> the module that writes it (imported on first use)."""
 
@@ -46,6 +48,21 @@ def find(format: str) -> Sink:
       f"format {format!r}: ucp_jax exports to {', '.join(sorted(SINKS))}"
     )
   return _load(module)
+
+
+def check_option_names(sink: Sink, options: dict) -> None:
+  """Raises for options the sink does not take, naming those it does."""
+  accepted = [
+    name
+    for name, p in inspect.signature(sink.check_options).parameters.items()
+    if p.kind is p.KEYWORD_ONLY and name != "overwrite"
+  ]
+  unknown = sorted(set(options) - set(accepted))
+  if unknown:
+    raise _errors.InvalidArgumentError(
+      f"format {sink.NAME!r} takes no {', '.join(unknown)}; its options: "
+      f"{', '.join(accepted) or 'none'}"
+    )
 
 
 def _load(name: str) -> ModuleType:

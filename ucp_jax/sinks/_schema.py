@@ -124,6 +124,61 @@ def plan(ckpt: _reader.Checkpoint) -> ExportPlan:
   )
 
 
+@dataclasses.dataclass(frozen=True)
+class WeightsPlan:
+  """The model's arrays only (for formats without optimizer state), checked like `plan`'s."""
+
+  params: tuple[Param, ...]  # trainable and frozen, in the schema's order
+  frozen: tuple[str, ...]  # the names of the frozen ones
+  tied: dict[str, str]  # alias -> the parameter that holds the data
+  buffers: tuple[Param, ...]
+  nbytes: int
+
+
+def weights(ckpt: _reader.Checkpoint) -> WeightsPlan:
+  """The parameters' values and the buffers of `ckpt`, resolved from its schema.
+
+  Unlike `plan`, asks nothing of the optimizer: a checkpoint of weights alone (a Hugging
+  Face folder, a `torch.save` state dict) exports too.
+
+  Raises:
+    MappingError: no schema, or one with problems (all of them listed).
+  """
+  schema = ckpt.manifest.schema
+  if not isinstance(schema, dict):
+    raise _errors.MappingError(
+      f"{ckpt.location}: this checkpoint has no parameter schema, so it does not say which "
+      "array is which parameter or buffer. " + HOW_TO_GET_A_SCHEMA
+    )
+  problems: list[str] = []
+  checker = _Checker(ckpt, problems)
+  if schema.get("naming", "torch") != "torch":
+    problems.append(
+      f"schema naming {schema.get('naming')!r}: the export needs torch names and layouts; pass "
+      "rules=... (e.g. ucp_jax.rules.gpt2(num_heads=...)) to map them back"
+    )
+  params = schema.get("params")
+  if not isinstance(params, dict) or not params:
+    problems.append("no `params` entry, or an empty one")
+    params = {}
+  trainable, frozen, tied = checker.params(params, None)
+  by_name = {p.name: p for p in (*trainable, *frozen)}
+  ordered = [by_name[name] for name in params if name in by_name]
+  buffers = checker.buffers(schema.get("buffers") or {})
+  if problems:
+    raise _errors.MappingError(
+      f"{ckpt.location}: cannot export: {len(problems)} problem(s) in the parameter schema:\n"
+      + _errors.bullet_list(problems)
+    )
+  return WeightsPlan(
+    params=tuple(dataclasses.replace(p, slots={}) for p in ordered),
+    frozen=tuple(p.name for p in frozen),
+    tied=tied,
+    buffers=tuple(buffers),
+    nbytes=sum(ckpt[p.value].nbytes for p in (*ordered, *buffers)),
+  )
+
+
 def _groups(groups: Any, problems: list[str]) -> list[dict[str, Any]]:
   if not isinstance(groups, list) or not groups or not all(isinstance(g, dict) for g in groups):
     problems.append("optimizer `groups`: expected a non-empty list of hyperparameter dicts")
@@ -224,7 +279,10 @@ class _Checker:
     info = self._ckpt[key]
     return tuple(info.shape), info.dtype
 
-  def params(self, params: dict, n_groups: int) -> tuple[list[Param], list[Param], dict[str, str]]:
+  def params(
+    self, params: dict, n_groups: int | None
+  ) -> tuple[list[Param], list[Param], dict[str, str]]:
+    """(trainable, frozen, tied) parameters; groups are checked against `n_groups` unless None."""
     trainable, frozen, tied = [], [], {}
     for name, entry in params.items():
       if not valid_name(name):
@@ -250,7 +308,9 @@ class _Checker:
         continue
       slots = self._slots(name, entry.get("slots") or {}, shape)
       group = entry.get("group", 0)
-      if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < n_groups:
+      if n_groups is None:
+        group = None
+      elif isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < n_groups:
         self._problems.append(
           f"`{name}`: group {group!r}, but the optimizer has {n_groups} group(s)"
         )

@@ -1,0 +1,132 @@
+"""Export folders: written beside the destination, swapped into place, never over foreign files.
+
+Every sink that writes a local folder uses these: the destination check (an existing folder
+is replaced only if it is an earlier export of the same format, and only with `overwrite`),
+the lock that turns a second export to the same path away, and the staging folder that
+becomes the destination in one rename once everything is written and synced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Callable, Iterator
+
+from ucp_jax import _errors
+from ucp_jax.store import _commit, _location
+
+MARKER = "ucp_export.json"
+"""Written into every export: `{"written_by": "ucp_jax", "format": ..., ...}`."""
+
+
+def check_destination(
+  dst: str | os.PathLike, *, overwrite: bool, not_an_export: Callable[[str], list[str]], what: str
+) -> str:
+  """The absolute export path, or an error if writing there would lose something.
+
+  Args:
+    dst: the destination folder.
+    overwrite: whether an earlier export there may be replaced.
+    not_an_export: what in an existing folder an export of this format does not write
+      (empty: it is an earlier export).
+    what: the export's name for messages ("a DeepSpeed export").
+  """
+  path = os.fspath(dst)
+  if "://" in path:
+    raise _errors.InvalidArgumentError(f"{path}: {what} is written to a local directory")
+  path = os.path.abspath(path)
+  if os.path.isfile(path) or os.path.islink(path):
+    raise _errors.CheckpointExistsError(f"{path}: a file is in the way of the export")
+  blocker = _commit.file_above(path)
+  if blocker is not None:
+    raise _errors.CheckpointExistsError(f"{path}: {blocker} is a file, not a directory")
+  if os.path.isdir(path) and os.listdir(path):
+    in_the_way = not_an_export(path)
+    if in_the_way:
+      raise _errors.CheckpointExistsError(
+        f"{path}: not an earlier ucp_jax export, so the export will not replace it (nothing "
+        "was deleted); in the way:\n" + _errors.bullet_list(in_the_way)
+      )
+    if not overwrite:
+      raise _errors.CheckpointExistsError(
+        f"{path}: an export exists already; pass overwrite=True (--overwrite) to replace it"
+      )
+  return path
+
+
+def read_marker(path: str, format: str | None = None) -> dict | None:
+  """The export marker in folder `path`, or None if it is missing, not ours, or of another format.
+
+  Exports written before markers named their format count as DeepSpeed exports.
+  """
+  try:
+    with open(os.path.join(path, MARKER)) as f:
+      marker = json.load(f)
+  except (OSError, ValueError):
+    return None
+  if not isinstance(marker, dict) or marker.get("written_by") != "ucp_jax":
+    return None
+  if format is not None and marker.get("format", "deepspeed universal") != format:
+    return None
+  return marker
+
+
+def write_marker(folder: str, format: str, **fields) -> None:
+  with open(os.path.join(folder, MARKER), "w") as f:
+    json.dump({"written_by": "ucp_jax", "format": format, **fields}, f)
+
+
+@contextlib.contextmanager
+def staged(dst: str, *, durable: bool = True) -> Iterator[str]:
+  """A fresh staging folder beside `dst`; it becomes `dst` when the block ends without error.
+
+  Holds `dst`'s lock throughout (a second export is turned away), removes the staging
+  folders of exports that died, and on any error removes this one and leaves `dst` as it
+  was. With `durable`, the folder's entries are fsynced before the swap (the files'
+  data is the writer's to sync).
+  """
+  parent, name = os.path.split(dst)
+  os.makedirs(parent, exist_ok=True)
+  staging = os.path.join(parent, f".{name}.ucp-export-{secrets.randbits(64):016x}")
+  lock = _commit.Lock(_location.resolve(dst), secrets.randbits(63))
+  lock.acquire()
+  try:
+    for stale in glob.glob(os.path.join(parent, f".{glob.escape(name)}.ucp-export-*")):
+      shutil.rmtree(stale, ignore_errors=True)
+    os.makedirs(staging)
+    yield staging
+    if durable:
+      for folder, _, _ in os.walk(staging):
+        _commit.fsync_dir(folder)
+    _commit.swap_into_place(staging, dst, durable=durable)
+  except BaseException:
+    shutil.rmtree(staging, ignore_errors=True)
+    raise
+  finally:
+    lock.release()
+
+
+def write_file(path: str, parts, *, durable: bool = True) -> int:
+  """Writes the byte buffers `parts` to `path` in order (synced with `durable`); returns bytes."""
+  written = 0
+  with open(path, "wb") as f:
+    for part in parts:
+      view = memoryview(part).cast("B")
+      f.write(view)
+      written += view.nbytes
+    if durable:
+      f.flush()
+      os.fsync(f.fileno())
+  return written
+
+
+def sync_file(path: str) -> None:
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)

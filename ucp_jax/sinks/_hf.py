@@ -1,0 +1,283 @@
+"""Hugging Face as a sink: a model folder that `from_pretrained` loads (`format="hf"`).
+
+```
+dst/config.json                              the source's config.json, or the one passed in
+dst/model.safetensors                        every parameter and buffer, by its torch name
+  (or dst/model-00001-of-0000N.safetensors + dst/model.safetensors.index.json past the limit)
+dst/ucp_export.json                          {"written_by": "ucp_jax", "format": "hf"}
+```
+Tied parameters are written once, under the name that holds the data (as `save_pretrained`
+does; the config's `tie_word_embeddings` ties them again). Optimizer state has no place in
+a model folder and is left out, with a note. The safetensors files are written here, from
+the checkpoint's arrays one at a time (host memory: the largest array), and synced.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ucp_jax import _errors
+from ucp_jax.sinks import _folder, _schema
+from ucp_jax.sinks._report import ExportReport
+from ucp_jax.sources.hf import _safetensors
+from ucp_jax.store import _reader
+
+NAME = "hf"
+DESCRIPTION = "a Hugging Face model folder: config.json and (sharded) safetensors weights"
+DEFAULT_MAX_SHARD = 5 * 10**9
+"""`save_pretrained`'s default shard size (5 GB)."""
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def check_options(
+  dst: str | os.PathLike,
+  *,
+  overwrite: bool,
+  config: str | os.PathLike | dict | None = None,
+  max_shard_size: int | str = DEFAULT_MAX_SHARD,
+  dtype: str | None = None,
+) -> None:
+  """Raises for a bad option or a destination in the way (see `export`)."""
+  shard_bytes(max_shard_size)
+  _dtype(dtype)
+  if config is not None and not isinstance(config, dict):
+    _read_config(config)
+  check_destination(dst, overwrite=overwrite)
+
+
+def export(
+  ckpt: _reader.Checkpoint,
+  dst: str,
+  *,
+  overwrite: bool,
+  progress: Callable[[str, int, int], None] | None,
+  config: str | os.PathLike | dict | None = None,
+  max_shard_size: int | str = DEFAULT_MAX_SHARD,
+  dtype: str | None = None,
+) -> ExportReport:
+  """Writes `ckpt`'s parameters and buffers (torch names) as a Hugging Face model folder.
+
+  Args:
+    ckpt: the checkpoint, with torch names (`export` maps Flax names first).
+    dst: the folder to create (or an earlier HF export to replace, with `overwrite`).
+    overwrite: replace an earlier HF export at `dst`.
+    progress: called as `progress(name, nbytes, total)` after each tensor.
+    config: the model's `config.json` (a path or a dict); default: the one the checkpoint
+      recorded from its source (`manifest.source["config"]`), if any.
+    max_shard_size: bytes per safetensors file, an int or `save_pretrained`'s strings
+      ("5GB", "500MB", "2GiB"); larger models are sharded with an index.
+    dtype: cast every floating-point array to this dtype ("bfloat16", "float16",
+      "float32"); default: as stored (fp32 masters stay fp32).
+  """
+  start = time.perf_counter()
+  check_options(dst, overwrite=overwrite, config=config, max_shard_size=max_shard_size, dtype=dtype)
+  dst = check_destination(dst, overwrite=overwrite)
+  weights = _schema.weights(ckpt)
+  target = _dtype(dtype)
+  tensors = [(p.name, p.value) for p in (*weights.params, *weights.buffers)]
+  config_data = _config(ckpt, config)
+  notes = _notes(ckpt, weights, config_data)
+  shards = _shards(ckpt, tensors, shard_bytes(max_shard_size), target)
+  total = sum(_nbytes(ckpt[key], target) for _, key in tensors)
+  written = 0
+  with _folder.staged(dst) as staging:
+    weight_map = {}
+    for number, shard in enumerate(shards, 1):
+      name = (
+        "model.safetensors"
+        if len(shards) == 1
+        else f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+      )
+      for tensor_name, _ in shard:
+        weight_map[tensor_name] = name
+
+      def report(item: str, nbytes: int) -> None:
+        nonlocal written
+        written += nbytes
+        if progress is not None:
+          progress(item, nbytes, total)
+
+      _write_safetensors(ckpt, os.path.join(staging, name), shard, target, report)
+    if len(shards) > 1:
+      index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+      _folder.write_file(
+        os.path.join(staging, "model" + _safetensors.INDEX_SUFFIX),
+        [json.dumps(index, indent=2).encode()],
+      )
+    if config_data is not None:
+      body = json.dumps(config_data, indent=2, sort_keys=True).encode()
+      _folder.write_file(os.path.join(staging, "config.json"), [body])
+    _folder.write_marker(staging, NAME, files=sorted(set(weight_map.values())))
+  return ExportReport(
+    path=dst,
+    tag=None,
+    zero_stages=(),
+    params=len(weights.params),
+    frozen=weights.frozen,
+    buffers=tuple(b.name for b in weights.buffers),
+    tied=dict(weights.tied),
+    step=ckpt.step,
+    nbytes=written,
+    seconds=time.perf_counter() - start,
+    notes=tuple(notes),
+    format=NAME,
+    summary=(
+      f"Hugging Face model folder, {len(shards)} safetensors file(s): {len(weights.params)} "
+      f"params, {len(weights.buffers)} buffers, {len(weights.tied)} tied"
+      + ("" if config_data is not None else "; no config.json")
+    ),
+  )
+
+
+def check_destination(dst: str | os.PathLike, *, overwrite: bool) -> str:
+  """The absolute export path, or an error: an existing folder must be an earlier HF export."""
+  return _folder.check_destination(
+    dst, overwrite=overwrite, not_an_export=_not_an_export, what="a Hugging Face export"
+  )
+
+
+def _not_an_export(path: str) -> list[str]:
+  marker = _folder.read_marker(path, NAME)
+  names = sorted(os.listdir(path))
+  if marker is None:
+    return [f"no {_folder.MARKER} of an HF export", *names]
+  ours = {_folder.MARKER, "config.json", "model" + _safetensors.INDEX_SUFFIX}
+  ours |= set(marker.get("files") or [])
+  return [n for n in names if n not in ours or not os.path.isfile(os.path.join(path, n))]
+
+
+def shard_bytes(size: int | str) -> int:
+  """`max_shard_size` in bytes (ints, or strings such as "5GB", "500MB", "2GiB")."""
+  if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+    return size
+  match = _SIZE.match(size) if isinstance(size, str) else None
+  if match is None or float(match.group(1)) <= 0:
+    raise _errors.InvalidArgumentError(
+      f"max_shard_size={size!r}: a positive number of bytes, or a string such as '5GB'"
+    )
+  return int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
+
+
+def _dtype(dtype: str | None) -> np.dtype | None:
+  if dtype is None:
+    return None
+  try:
+    target = np.dtype(dtype)
+  except TypeError:
+    target = None
+  if target is None or not _floating(target):
+    raise _errors.InvalidArgumentError(
+      f"dtype={dtype!r}: a floating-point dtype safetensors stores ('bfloat16', 'float16', "
+      "'float32', ...)"
+    )
+  return target
+
+
+def _floating(dtype: np.dtype) -> bool:
+  """A floating-point dtype safetensors names (F16, BF16, F32, F64, the F8 types)."""
+  return _safetensors.NAMES.get(np.dtype(dtype), "").startswith(("F", "BF"))
+
+
+def _cast(dtype: str, target: np.dtype | None) -> np.dtype:
+  stored = np.dtype(dtype)
+  return target if target is not None and _floating(stored) else stored
+
+
+def _nbytes(info, target: np.dtype | None) -> int:
+  return int(np.prod(info.shape, dtype=np.int64)) * _cast(info.dtype, target).itemsize
+
+
+def _shards(ckpt, tensors, limit: int, target) -> list[list[tuple[str, str]]]:
+  """Tensors in order, cut into files of at most `limit` bytes (a larger tensor: its own file)."""
+  shards: list[list[tuple[str, str]]] = [[]]
+  size = 0
+  for name, key in tensors:
+    nbytes = _nbytes(ckpt[key], target)
+    if shards[-1] and size + nbytes > limit:
+      shards.append([])
+      size = 0
+    shards[-1].append((name, key))
+    size += nbytes
+  return shards
+
+
+def _write_safetensors(ckpt, path: str, shard, target, report) -> None:
+  header: dict[str, Any] = {}
+  offset = 0
+  for name, key in shard:
+    info = ckpt[key]
+    dtype = _cast(info.dtype, target)
+    nbytes = _nbytes(info, target)
+    header[name] = {
+      "dtype": _safetensors.NAMES[dtype],
+      "shape": list(info.shape),
+      "data_offsets": [offset, offset + nbytes],
+    }
+    offset += nbytes
+  header["__metadata__"] = {"format": "pt"}
+  raw = json.dumps(header, separators=(",", ":")).encode()
+  raw += b" " * (-(8 + len(raw)) % 8)  # the data starts 8-byte aligned, as safetensors writes
+
+  def parts():
+    yield len(raw).to_bytes(8, "little")
+    yield raw
+    for name, key in shard:
+      array = np.ascontiguousarray(ckpt.read(key).astype(_cast(ckpt[key].dtype, target)))
+      data = array.astype(array.dtype.newbyteorder("<"), copy=False)
+      yield data.reshape(-1).view(np.uint8) if data.size else b""
+      report(name, data.nbytes)
+
+  _folder.write_file(path, parts())
+
+
+def _config(ckpt, config) -> dict | None:
+  if isinstance(config, dict):
+    return config
+  if config is not None:
+    return _read_config(config)
+  recorded = (ckpt.manifest.source or {}).get("config")
+  return recorded if isinstance(recorded, dict) else None
+
+
+def _read_config(path: str | os.PathLike) -> dict:
+  path = os.fspath(path)
+  if os.path.isdir(path):
+    path = os.path.join(path, "config.json")
+  try:
+    with open(path) as f:
+      data = json.load(f)
+  except (OSError, ValueError) as e:
+    raise _errors.InvalidArgumentError(f"config={path!r}: not a readable config.json ({e})") from e
+  if not isinstance(data, dict):
+    raise _errors.InvalidArgumentError(f"config={path!r}: not a JSON object")
+  return data
+
+
+def _notes(ckpt, weights: _schema.WeightsPlan, config: dict | None) -> list[str]:
+  notes = []
+  schema = ckpt.manifest.schema or {}
+  entries = [e for e in (schema.get("params") or {}).values() if isinstance(e, dict)]
+  slots = sorted({s for entry in entries for s in entry.get("slots") or {}})
+  if slots:
+    notes.append(
+      f"optimizer state ({', '.join(slots)}, step, groups) is not exported: a Hugging Face "
+      "model folder holds weights only (export to DeepSpeed to keep it)"
+    )
+  if weights.tied:
+    tied = ", ".join(f"{a} -> {b}" for a, b in weights.tied.items())
+    notes.append(f"tied parameters written once ({tied}); the config's tie flag ties them again")
+  if config is None:
+    notes.append(
+      "no config.json: the checkpoint recorded none from its source; pass config= (or "
+      "--config) for from_pretrained to load the folder"
+    )
+  return notes
