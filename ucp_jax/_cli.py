@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -192,6 +193,43 @@ def cmd_export(args, out: Console, err: Console) -> int:
   return 0
 
 
+@_command
+def cmd_diff(args, out: Console, err: Console) -> int:
+  from ucp_jax import _diff
+
+  rules = _rule_set(args.rules, args.b)
+  with Reporter(err, "diff") as progress:
+    report = _diff.diff(
+      args.a,
+      args.b,
+      rules=rules,
+      subtree=args.subtree,
+      atol=args.atol,
+      rtol=args.rtol,
+      progress=progress.update,
+    )
+  if args.json:
+    data = dataclasses.asdict(report) | {"verdict": report.verdict()}
+    out.print_json(json.dumps(data, default=str))
+    return 0 if report.same_within_tolerance else 1
+  for key in report.only_a[:20]:
+    out.print(f"  only in {report.a}: {key}", markup=False)
+  for key in report.only_b[:20]:
+    out.print(f"  only in {report.b}: {key}", markup=False)
+  shown = report.differing if not args.all else report.arrays
+  if shown:
+    table = Table(title_justify="left")
+    for col in ("key", "max abs", "max rel", "elements off", "note"):
+      table.add_column(col, justify="left" if col in ("key", "note") else "right")
+    for d in shown[:50]:
+      table.add_row(
+        d.key, f"{d.max_abs:.3g}", f"{d.max_rel:.3g}", str(d.mismatched), d.problem or ""
+      )
+    out.print(table)
+  out.print(report.verdict(), markup=False)
+  return 0 if report.same_within_tolerance else 1
+
+
 def _outlives_process(dst: str) -> None:
   """A destination that outlives this process: not `memory://`."""
   if dst.startswith("memory://"):
@@ -201,7 +239,7 @@ def _outlives_process(dst: str) -> None:
     )
 
 
-def _rule_set(spec: str | None):
+def _rule_set(spec: str | None, checkpoint: str | None = None):
   """`gpt2:num_heads=4` -> `ucp_jax.rules.gpt2(num_heads=4)`."""
   if not spec:
     return None
@@ -249,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     prog="ucp",
     description="Universal checkpoints for JAX.",
     epilog="exit status: 0 done; 1 verify found bad arrays (or the demo's runs diverged); "
-    "2 bad input or a failed command; 130 interrupted",
+    "2 bad input or a failed command; 130 interrupted; diff: 1 when the checkpoints differ",
   )
   sub = parser.add_subparsers(dest="command", required=True)
   p = sub.add_parser(
@@ -290,6 +328,19 @@ def build_parser() -> argparse.ArgumentParser:
     help="for a Flax-named checkpoint: a ready rule set and its options, e.g. gpt2:num_heads=4 "
     "or llama:num_heads=8,num_kv_heads=2",
   )
+  p = sub.add_parser(
+    "diff", help="compare two checkpoints of any formats array by array (exit 1 if they differ)"
+  )
+  p.add_argument("a", help="a checkpoint, DeepSpeed folder, Hugging Face folder, ...")
+  p.add_argument("b", help="the other one")
+  p.add_argument("--rules", help="a rule set mapping B's names onto A's keys (as for export)")
+  p.add_argument("--subtree", help="with --rules: the key prefix both sides share (params)")
+  p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0)")
+  p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
+  p.add_argument(
+    "--all", action="store_true", help="list every common array, not only those that differ"
+  )
+  p.add_argument("--json", action="store_true", help="machine-readable output")
   p = sub.add_parser("demo", help="train, save, restore onto other meshes, compare with no restart")
   p.add_argument("--out", default="demo_out", help="where the checkpoints go (default: demo_out)")
   p.add_argument("--steps", type=_positive, default=20, help="training steps per leg (default: 20)")

@@ -1,0 +1,99 @@
+"""`ucp_jax.diff` / `ucp diff`: two checkpoints of any formats, array by array."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+import ucp_jax
+from ucp_jax import _cli, _diff
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+DS = os.path.join(FIXTURES, "deepspeed", "z2_fp32_dp2", "ckpt")
+
+
+def _save(path, **arrays):
+  ucp_jax.save(path, arrays)
+  return str(path)
+
+
+def test_a_deepspeed_folder_and_its_conversion_are_identical(tmp_path):
+  ucp_jax.convert(DS, tmp_path / "c")
+  report = ucp_jax.diff(DS, tmp_path / "c")
+  assert report.identical and report.verdict() == f"identical: {len(report.arrays)} arrays"
+  assert len(report.arrays) == len(ucp_jax.open(DS).keys())
+
+
+def test_values_shapes_dtypes_and_names_that_differ(tmp_path, monkeypatch):
+  monkeypatch.setattr(_diff, "_BLOCK_BYTES", 64)  # many blocks per array
+  w = np.arange(200, dtype=np.float32).reshape(20, 10)
+  a = _save(
+    tmp_path / "a", w=w, n=np.array([1.0, np.nan]), s=np.ones(3), d=np.ones(2), x=np.ones(1)
+  )
+  moved = w.copy()
+  moved[17, 3] += 0.5
+  b = _save(
+    tmp_path / "b",
+    w=moved,
+    n=np.array([1.0, np.nan]),  # NaN where both have NaN: equal
+    s=np.ones(4),
+    d=np.ones(2, np.float32),
+    y=np.ones(1),
+  )
+  report = ucp_jax.diff(a, b)
+  by_key = {d.key: d for d in report.arrays}
+  assert (by_key["w"].max_abs, by_key["w"].mismatched) == (0.5, 1)
+  assert by_key["w"].max_rel == pytest.approx(0.5 / 173.5)
+  assert by_key["n"].max_abs == 0 and by_key["n"].mismatched == 0
+  assert by_key["s"].problem == "shape (3,) vs (4,)"
+  assert by_key["d"].problem == "dtype float64 vs float32" and by_key["d"].max_abs == 0
+  assert (report.only_a, report.only_b) == (("x",), ("y",))
+  assert report.verdict() == f"differ: 1 only in {a}, 1 only in {b}, 3 of 4 common arrays differ"
+  assert not ucp_jax.diff(
+    a, b, atol=1.0
+  ).same_within_tolerance  # names, shapes, dtypes still differ
+
+
+def test_a_tolerance(tmp_path):
+  a = _save(tmp_path / "a", w=np.ones(5))
+  b = _save(tmp_path / "b", w=np.ones(5) * (1 + 1e-7))
+  assert not ucp_jax.diff(a, b).same_within_tolerance
+  report = ucp_jax.diff(a, b, rtol=1e-6)
+  assert report.same_within_tolerance and not report.identical
+  assert report.verdict().startswith("equal within atol=0, rtol=1e-06: 1 arrays")
+
+
+def test_a_flax_checkpoint_against_the_torch_folder_it_came_from(tmp_path):
+  from flax import nnx
+
+  from ucp_jax.models import gpt
+
+  with open(os.path.join(FIXTURES, "cross_framework", "info.json")) as f:
+    info = json.load(f)
+  src = os.path.join(FIXTURES, "cross_framework", "ckpt")
+  config = gpt.GPTConfig(**info["model"])
+  rules = ucp_jax.rules.gpt2(num_heads=config.num_heads)
+  model = gpt.FlaxGPT(config, rngs=nnx.Rngs(0))
+  params = ucp_jax.restore(src, nnx.state(model, nnx.Param), subtree="params", rules=rules)
+  ucp_jax.save(tmp_path / "flax", {"params": params})
+  report = ucp_jax.diff(tmp_path / "flax", src, rules=rules)
+  assert report.identical, report.verdict()
+  assert report.arrays and not report.only_a
+
+
+def test_the_command_line(tmp_path, capsys):
+  a = _save(tmp_path / "a", w=np.ones(3))
+  b = _save(tmp_path / "b", w=np.array([1.0, 2.0, 1.0]))
+  assert _cli.main(["diff", a, a]) == 0
+  assert capsys.readouterr().out.strip().endswith("identical: 1 arrays")
+  assert _cli.main(["diff", a, b]) == 1
+  out = capsys.readouterr().out
+  assert "w" in out and out.strip().endswith("differ: 1 of 1 common arrays differ")
+  assert _cli.main(["diff", a, b, "--atol", "1"]) == 0
+  capsys.readouterr()
+  assert _cli.main(["diff", a, b, "--json"]) == 1
+  data = json.loads(capsys.readouterr().out)
+  assert data["arrays"][0]["max_abs"] == 1.0 and data["verdict"].startswith("differ")
+  assert _cli.main(["diff", a, str(tmp_path / "nope")]) == 2
+  assert "nope" in capsys.readouterr().err

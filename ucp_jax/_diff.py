@@ -1,0 +1,190 @@
+"""`diff`: two checkpoints of any formats, compared array by array in bounded memory.
+
+Each side is anything `ucp_jax.open` reads (a ucp_jax checkpoint, a DeepSpeed folder, a
+Hugging Face folder, ...). Arrays are compared a block of rows at a time, so memory stays
+near two blocks whatever the model size; a rule set maps the second side's names and
+layouts onto the first's keys (a Flax checkpoint against the PyTorch folder it came from).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ucp_jax.store import _reader
+
+_BLOCK_BYTES = 32 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayDiff:
+  """How one array differs between the two sides.
+
+  Attributes:
+    key: the array's key (the first side's).
+    problem: a shape or dtype difference, or None.
+    max_abs: the largest absolute difference of the values (0.0 when equal).
+    max_rel: the largest relative difference, |a - b| / max(|a|, |b|) (0.0 when equal).
+    mismatched: how many elements differ beyond the tolerance.
+  """
+
+  key: str
+  problem: str | None
+  max_abs: float
+  max_rel: float
+  mismatched: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DiffReport:
+  """What `diff` found.
+
+  Attributes:
+    only_a / only_b: keys on one side only.
+    arrays: one entry per common key, in key order.
+    atol, rtol: the tolerance used (an element matches if |a - b| <= atol + rtol * |b|).
+  """
+
+  a: str
+  b: str
+  only_a: tuple[str, ...]
+  only_b: tuple[str, ...]
+  arrays: tuple[ArrayDiff, ...]
+  atol: float
+  rtol: float
+
+  @property
+  def differing(self) -> tuple[ArrayDiff, ...]:
+    return tuple(d for d in self.arrays if d.problem or d.mismatched)
+
+  @property
+  def identical(self) -> bool:
+    """The same keys, shapes, dtypes and bytes (NaNs equal where both are NaN)."""
+    return self.same_within_tolerance and all(d.max_abs == 0 for d in self.arrays)
+
+  @property
+  def same_within_tolerance(self) -> bool:
+    return not (self.only_a or self.only_b or self.differing)
+
+  def verdict(self) -> str:
+    """One line: identical, equal within the tolerance, or what differs."""
+    n = len(self.arrays)
+    if self.identical:
+      return f"identical: {n} arrays"
+    if self.same_within_tolerance:
+      worst = max(self.arrays, key=lambda d: d.max_abs)
+      return (
+        f"equal within atol={self.atol:g}, rtol={self.rtol:g}: {n} arrays (largest difference "
+        f"{worst.max_abs:.3g} in {worst.key})"
+      )
+    parts = []
+    if self.only_a:
+      parts.append(f"{len(self.only_a)} only in {self.a}")
+    if self.only_b:
+      parts.append(f"{len(self.only_b)} only in {self.b}")
+    if self.differing:
+      parts.append(f"{len(self.differing)} of {n} common arrays differ")
+    return "differ: " + ", ".join(parts)
+
+
+def diff(
+  a: Any,
+  b: Any,
+  *,
+  rules: Any = None,
+  subtree: str | None = None,
+  atol: float = 0.0,
+  rtol: float = 0.0,
+  progress: Callable[[str, int, int], None] | None = None,
+) -> DiffReport:
+  """Compares two checkpoints of any formats array by array.
+
+  Example:
+    >>> import numpy as np, ucp_jax
+    >>> _ = ucp_jax.save("/tmp/ucp_doc_da", {"w": np.ones(3)}, overwrite=True)
+    >>> _ = ucp_jax.save("/tmp/ucp_doc_db", {"w": np.ones(3) + 1e-9}, overwrite=True)
+    >>> ucp_jax.diff("/tmp/ucp_doc_da", "/tmp/ucp_doc_db", atol=1e-6).verdict()
+    'equal within atol=1e-06, rtol=0: 1 arrays (largest difference 1e-09 in w)'
+
+  Args:
+    a, b: checkpoints (paths or open checkpoints) of any format `ucp_jax.open` reads.
+    rules: a `ucp_jax.rules.RuleSet` that maps `b`'s names and layouts onto `a`'s keys.
+    subtree: with `rules`, the key prefix both sides' mapped arrays live under (default
+      `params` when `a` has keys there, else the whole checkpoint).
+    atol, rtol: an element matches when |a - b| <= atol + rtol * |b|; the defaults ask
+      for equal values (NaN matches NaN).
+    progress: called as `progress(key, nbytes, total)` after each array.
+  """
+  ckpt_a, ckpt_b = _reader.open(a), _reader.open(b)
+  if rules is not None:
+    if subtree is None:
+      subtree = "params" if any(k.startswith("params/") for k in ckpt_a.keys()) else ""
+    ckpt_b = rules.view(ckpt_b, subtree=subtree, partial=True)
+    keys_a = [k for k in ckpt_a.keys() if not subtree or k.startswith(subtree + "/")]
+  else:
+    keys_a = ckpt_a.keys()
+  keys_b = set(ckpt_b.keys())
+  common = [k for k in keys_a if k in keys_b]
+  total = sum(ckpt_a[k].nbytes for k in common)
+  arrays = []
+  for key in common:
+    arrays.append(_compare(ckpt_a, ckpt_b, key, atol, rtol))
+    if progress is not None:
+      progress(key, ckpt_a[key].nbytes, total)
+  return DiffReport(
+    a=str(getattr(ckpt_a, "location", a)),
+    b=os.fspath(b) if isinstance(b, (str, os.PathLike)) else str(b),
+    only_a=tuple(k for k in keys_a if k not in keys_b),
+    only_b=tuple(sorted(keys_b - set(keys_a))),
+    arrays=tuple(arrays),
+    atol=atol,
+    rtol=rtol,
+  )
+
+
+def _compare(ckpt_a, ckpt_b, key: str, atol: float, rtol: float) -> ArrayDiff:
+  info_a, info_b = ckpt_a[key], ckpt_b[key]
+  if tuple(info_a.shape) != tuple(info_b.shape):
+    return ArrayDiff(
+      key, f"shape {tuple(info_a.shape)} vs {tuple(info_b.shape)}", math.inf, math.inf, 0
+    )
+  problem = None if info_a.dtype == info_b.dtype else f"dtype {info_a.dtype} vs {info_b.dtype}"
+  max_abs = max_rel = 0.0
+  mismatched = 0
+  for index in _blocks(info_a.shape, max(np.dtype(info_a.dtype).itemsize, 1)):
+    x = _as_number(ckpt_a.read(key, index))
+    y = _as_number(ckpt_b.read(key, index))
+    both_nan = np.isnan(x) & np.isnan(y)
+    delta = np.where(both_nan, 0.0, np.abs(x - y))
+    delta = np.where(np.isnan(delta), np.inf, delta)  # NaN on one side only
+    scale = np.maximum(np.abs(x), np.abs(y))
+    rel = np.where(delta == 0, 0.0, delta / np.where(scale == 0, 1.0, scale))
+    if delta.size:
+      max_abs = max(max_abs, float(delta.max()))
+      max_rel = max(max_rel, float(rel.max()))
+      mismatched += int(np.count_nonzero(delta > atol + rtol * np.abs(y)))
+  return ArrayDiff(key, problem, max_abs, max_rel, mismatched)
+
+
+def _as_number(array: np.ndarray) -> np.ndarray:
+  """Values as float64 (complex as complex128), so every dtype compares alike."""
+  array = np.asarray(array)
+  if array.dtype.kind == "c":
+    return array.astype(np.complex128)
+  return array.astype(np.float64)
+
+
+def _blocks(shape: tuple[int, ...], itemsize: int):
+  """Indices of row blocks of about `_BLOCK_BYTES` (the whole array when 0-d)."""
+  if not shape:
+    yield ()
+    return
+  row = max(1, math.prod(shape[1:]) * itemsize)
+  step = max(1, _BLOCK_BYTES // row)
+  for start in range(0, shape[0], step):
+    yield (slice(start, min(start + step, shape[0])),)
