@@ -274,12 +274,28 @@ def test_readme_from_deepspeed_to_jax_and_back(in_tmp, devices, needs_torch):
 
 
 def test_docs_export(in_tmp, needs_torch):
-  code = _blocks((ROOT / "docs" / "export.md").read_text())[0]
+  code = _block((ROOT / "docs" / "export.md").read_text(), "## DeepSpeed")
   ucp_jax.convert(FIXTURES / "deepspeed" / "z2_bf16_dp3" / "ckpt", "ckpt")
   ns = _run(code, "docs/export.md", ucp_jax=ucp_jax)
   report = ns["report"]
   assert (report.tag, report.zero_stages) == ("global_step3", (3,))  # as its comment says
   assert report.notes
+
+
+def test_docs_export_hugging_face(in_tmp, needs_torch):
+  transformers = pytest.importorskip("transformers")
+  code = _block((ROOT / "docs" / "export.md").read_text(), "## Hugging Face")
+  config = transformers.LlamaConfig(
+    vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+    num_attention_heads=2, num_key_value_heads=1,
+  )  # fmt: skip
+  model = transformers.LlamaForCausalLM(config)
+  state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+  schema = {"version": 1, "naming": "torch", "params": {n: {"value": f"params/{n}"} for n in state}}
+  ucp_jax.save("ckpt", {"params": state}, schema=schema)
+  config.save_pretrained("path/to")
+  ns = _run(code, "docs/export.md: Hugging Face", ucp_jax=ucp_jax, transformers=transformers)
+  assert type(ns["model"]).__name__ == "LlamaForCausalLM"
 
 
 def test_docs_mapping(in_tmp):
