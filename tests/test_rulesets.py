@@ -1,5 +1,8 @@
 """Ready rule sets: torch GPT-2 / Llama checkpoints restore onto sharded Flax NNX twins and back."""
 
+import dataclasses
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -119,3 +122,24 @@ def test_torch_moments_map_like_the_parameters():
     out["opt_state/mu/layers/1/mlp/up/kernel"], 2 * sd["layers.1.mlp.up_proj.weight"].T
   )
   assert sorted(moments.export_arrays(out)) == sorted(names)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_check_forward_proves_the_twin_rules_and_catches_swapped_norms(name):
+  cfg, make_torch, make_flax, make_rules, _ = MODELS[name]
+  torch_model, _ = _torch_state(make_torch)
+  tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 12))
+  abstract = nnx.eval_shape(lambda: make_flax(False))
+  assert rules.check_forward(torch_model, abstract, make_rules(False), tokens) < 1e-5
+  first, second = {"gpt": ("ln_1", "ln_2"), "llama": ("attn_norm", "mlp_norm")}[name]
+  swap = lambda m: f"/{second if m[1] == first else first}/"  # noqa: E731
+  swapped = rules.RuleSet(  # same shapes: only the outputs can tell
+    [
+      dataclasses.replace(r, target=re.sub(rf"/({first}|{second})/", swap, r.target))
+      if r.target
+      else r
+      for r in make_rules(False).rules
+    ]
+  )
+  with pytest.raises(ucp_jax.MappingError, match="outputs differ beyond atol=1e-05"):
+    rules.check_forward(torch_model, abstract, swapped, tokens)

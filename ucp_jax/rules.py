@@ -14,15 +14,30 @@ Transforms:
   cast(dtype, source=None)  dtype on import (and back to `source` on export)
   stack(group=0, axis=0)    per-layer arrays `h.{i}.w` -> one array with a layer axis
 
-Ready rule sets: `gpt2(...)`, `llama(...)`, for the reference models in `ucp_jax.models`.
+Ready rule sets, for the reference models in `ucp_jax.models`: `gpt2(...)`, `llama(...)`
+(their torch twins' names), `hf_gpt2(...)`, `hf_llama(...)` (`transformers` names: GPT-2;
+Llama, Mistral, Qwen2, Qwen3, Gemma), and `from_hf(config)`, which picks the set and builds
+the Flax model config from a `config.json`.
+
+Using them: `ucp_jax.restore(..., rules=rs)` (lazy, sharded), `load_into(model, arrays or
+checkpoint, rs)` (into a live model), `check_forward(torch_model, flax_model, rs, batch)`
+(the proof by outputs that shapes cannot give).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
+from ucp_jax import _errors
+from ucp_jax.mapping._check import check_forward as check_forward
+from ucp_jax.mapping._hf_rulesets import hf_gpt2 as hf_gpt2
+from ucp_jax.mapping._hf_rulesets import hf_llama as hf_llama
+from ucp_jax.mapping._load import load_into as load_into
 from ucp_jax.mapping._mapped import MappedCheckpoint as MappedCheckpoint
 from ucp_jax.mapping._mapping import RuleSet as RuleSet
 from ucp_jax.mapping._rule import Rule as Rule
@@ -30,6 +45,10 @@ from ucp_jax.mapping._rulesets import gpt2 as gpt2
 from ucp_jax.mapping._rulesets import llama as llama
 from ucp_jax.mapping._transforms import Cast, Merge, Split, Stack, Transpose
 from ucp_jax.mapping._transforms import Transform as Transform
+from ucp_jax.models import gpt
+from ucp_jax.models import llama as _llama
+from ucp_jax.models._hf import config_from_hf
+from ucp_jax.store import _reader
 
 
 def transpose(axes: Sequence[int] | None = None) -> Transform:
@@ -91,14 +110,144 @@ def stack(group: int = 0, *, axis: int = 0) -> Transform:
   return Stack(int(group), int(axis))
 
 
+def from_hf(
+  config: Any, *, stacked: bool = False, prefix: str | None = None
+) -> tuple[RuleSet, gpt.GPTConfig | _llama.LlamaConfig]:
+  """The rule set and the Flax model config for a Hugging Face model, from its `config.json`.
+
+  GPT-2 runs on `ucp_jax.models.gpt.FlaxGPT`; Llama, Mistral, Qwen2, Qwen3 and Gemma on
+  `ucp_jax.models.llama.FlaxLlama` (`ucp_jax.models.build(cfg, ...)` builds either). The
+  config sets sizes, heads, key/value heads, head width, epsilon, activation, RoPE theta and
+  scaling (`linear`, `llama3`), biases, tied embeddings and the sliding window; a config the
+  reference models would compute differently is refused, every reason listed.
+
+  Example:
+    >>> from ucp_jax import rules
+    >>> rs, cfg = rules.from_hf({"model_type": "llama", "vocab_size": 96, "hidden_size": 32,
+    ...   "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+    ...   "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "tie_word_embeddings": True})
+    >>> cfg.head_dim, cfg.eps, cfg.tie_embeddings
+    (8, 1e-05, True)
+    >>> rs.map_names(["model.layers.1.mlp.up_proj.weight"])
+    {'layers/1/mlp/up/kernel': ('model.layers.1.mlp.up_proj.weight',)}
+
+  Args:
+    config: the `config.json` as a dict, a `transformers` config or model, a path to a
+      `config.json` or to the folder holding it, or a checkpoint (a path or an opened
+      `ucp_jax.Checkpoint`) that recorded the config it was converted from.
+    stacked: rules for a model built with `scan=True` (one array per parameter, layers
+      stacked in front).
+    prefix: what precedes the base model's names (`model.`, `transformer.`, or `""`).
+      Default: read from the weight names when `config` brings them (a folder, a
+      checkpoint, a model), else from `architectures` (`...ForCausalLM` and
+      `GPT2LMHeadModel`: the prefix; a bare `LlamaModel` or `GPT2Model`: none).
+
+  Raises:
+    MappingError: a model type without a ready rule set, a missing size, a feature the
+      reference models do not compute, a checkpoint that recorded no config.
+  """
+  hf, names = _hf_config(config)
+  cfg = config_from_hf(hf)
+  family = "gpt2" if isinstance(cfg, gpt.GPTConfig) else "llama"
+  if prefix is None:
+    prefix = _prefix(family, hf, names)
+  if family == "gpt2":
+    rs = hf_gpt2(num_heads=cfg.num_heads, tied=cfg.tie_embeddings, stacked=stacked, prefix=prefix)
+  else:
+    rs = hf_llama(
+      num_heads=cfg.num_heads,
+      num_kv_heads=cfg.num_kv_heads,
+      tied=cfg.tie_embeddings,
+      stacked=stacked,
+      prefix=prefix,
+    )
+  return rs, cfg
+
+
+_PREFIXES = {
+  "gpt2": ("transformer.", ("wte.", "h.")),
+  "llama": ("model.", ("embed_tokens.", "layers.")),
+}
+
+
+def _prefix(family: str, hf: Mapping, names: list[str] | None) -> str:
+  full, bare = _PREFIXES[family]
+  if names:
+    if any(n.startswith(full) for n in names):
+      return full
+    if any(n.startswith(bare) for n in names):
+      return ""
+  archs = hf.get("architectures") or []
+  if archs and all(a.endswith("Model") and "For" not in a and "Head" not in a for a in archs):
+    return ""
+  return full
+
+
+def _hf_config(config: Any) -> tuple[dict, list[str] | None]:
+  """The config as a dict, and the weight names where `config` brings them."""
+  if isinstance(config, Mapping):
+    return dict(config), None
+  if isinstance(config, _reader.Checkpoint):
+    return _recorded(config), [k.split("/", 1)[1] for k in config.keys() if k.startswith("params/")]
+  if hasattr(config, "to_dict"):  # a transformers config
+    return config.to_dict(), None
+  if hasattr(getattr(config, "config", None), "to_dict") and hasattr(config, "state_dict"):
+    return config.config.to_dict(), list(config.state_dict())
+  if not isinstance(config, (str, os.PathLike)):
+    raise _errors.MappingError(f"from_hf: {config!r} is not a config.json, dict or checkpoint")
+  path = os.fspath(config)
+  if os.path.isfile(path):
+    return _read_json(path), None
+  if os.path.isfile(os.path.join(path, "config.json")):
+    return _read_json(os.path.join(path, "config.json")), _names_in(path)
+  return _hf_config(_reader.open(path))
+
+
+def _recorded(ckpt: _reader.Checkpoint) -> dict:
+  config = ckpt.manifest.source.get("config")
+  if isinstance(config, str):
+    config = json.loads(config)
+  if not isinstance(config, Mapping):
+    raise _errors.MappingError(
+      f"{ckpt.location}: the checkpoint recorded no Hugging Face config.json; pass the "
+      "config.json (or its folder) to from_hf"
+    )
+  return dict(config)
+
+
+def _read_json(path: str) -> dict:
+  try:
+    with open(path, encoding="utf-8") as f:
+      config = json.load(f)
+  except (OSError, ValueError) as e:
+    raise _errors.MappingError(f"{path}: not a readable config.json ({e})") from None
+  if not isinstance(config, dict):
+    raise _errors.MappingError(f"{path}: a config.json holds a JSON object")
+  return config
+
+
+def _names_in(folder: str) -> list[str] | None:
+  """The weight names of a Hugging Face folder, where a source reads it (else None)."""
+  try:
+    ckpt = _reader.open(folder)
+  except (_errors.UcpError, OSError):
+    return None
+  return [k.split("/", 1)[1] for k in ckpt.keys() if k.startswith("params/")]
+
+
 __all__ = [
   "MappedCheckpoint",
   "Rule",
   "RuleSet",
   "Transform",
   "cast",
+  "check_forward",
+  "from_hf",
   "gpt2",
+  "hf_gpt2",
+  "hf_llama",
   "llama",
+  "load_into",
   "merge",
   "split",
   "stack",

@@ -16,7 +16,7 @@ from ucp_jax.mapping._transforms import Split, Stack, Transpose
 _T = Transpose()
 
 
-def _layers(prefix_regex: str, prefix_key: str, table, stacked: bool) -> list[Rule]:
+def layer_rules(prefix_regex: str, prefix_key: str, table, stacked: bool) -> list[Rule]:
   """Per-layer rules: `{prefix}.{i}.{name}` -> `{key}/{i}/{target}` or, stacked, `{key}/{target}`."""
   out = []
   for name, target, transforms in table:
@@ -76,7 +76,7 @@ def gpt2(*, num_heads: int, stacked: bool = False) -> RuleSet:
     [
       Rule(r"wte\.weight", "wte/embedding"),
       Rule(r"wpe\.weight", "wpe/embedding"),
-      *_layers("h", "blocks", table, stacked),
+      *layer_rules("h", "blocks", table, stacked),
       Rule(r"ln_f\.weight", "ln_f/scale"),
       Rule(r"ln_f\.bias", "ln_f/bias"),
       Rule(r"lm_head\.weight", "wte/embedding", tied=True),
@@ -116,7 +116,7 @@ def llama(*, num_heads: int, num_kv_heads: int, stacked: bool = False) -> RuleSe
   return RuleSet(
     [
       Rule(r"embed_tokens\.weight", "embed/embedding"),
-      *_layers("layers", "layers", table, stacked),
+      *layer_rules("layers", "layers", table, stacked),
       Rule(r"norm\.weight", "norm/scale"),
       Rule(r"lm_head\.weight", "lm_head/kernel", [_T]),
     ]

@@ -1,7 +1,8 @@
 """A small GPT-2 in Flax NNX: pre-LN blocks, tanh GELU, causal attention, learned positions.
 
 Its twin in PyTorch is `TorchGPT` (scripts/torch_twins.py); `ucp_jax.rules.gpt2`
-maps the torch state dict onto `nnx.state(FlaxGPT(...))` and back.
+maps the torch state dict onto `nnx.state(FlaxGPT(...))` and back. The same model
+runs Hugging Face GPT-2 checkpoints (`ucp_jax.rules.hf_gpt2`, `ucp_jax.rules.from_hf`).
 """
 
 from __future__ import annotations
@@ -12,17 +13,40 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ucp_jax.models._common import Projection, causal_attention, tp_target
+from ucp_jax.models._common import (
+  ACTIVATIONS,
+  Projection,
+  causal_attention,
+  check_activation,
+  tp_target,
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
+  """The sizes of a `FlaxGPT`.
+
+  Attributes:
+    hidden: the MLP's width; None means `4 * d_model` (filled in at construction, so
+      `dataclasses.replace` keeps it: pass `hidden=None` again with a new `d_model`).
+    act: the MLP's activation, a key of `ucp_jax.models._common.ACTIVATIONS`.
+    tie_embeddings: the output layer is `wte` (GPT-2), or its own `lm_head` without bias.
+  """
+
   vocab_size: int = 256
   max_len: int = 64
   num_layers: int = 2
   num_heads: int = 4
   d_model: int = 64
   eps: float = 1e-5
+  hidden: int | None = None
+  act: str = "gelu_tanh"
+  tie_embeddings: bool = True
+
+  def __post_init__(self):
+    check_activation(self.act)
+    if self.hidden is None:
+      object.__setattr__(self, "hidden", 4 * self.d_model)
 
   @property
   def head_dim(self) -> int:
@@ -42,11 +66,12 @@ class Attention(nnx.Module):
 
 class MLP(nnx.Module):
   def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
-    self.fc = nnx.Linear(cfg.d_model, 4 * cfg.d_model, rngs=rngs)
-    self.proj = nnx.Linear(4 * cfg.d_model, cfg.d_model, rngs=rngs)
+    self.act = cfg.act
+    self.fc = nnx.Linear(cfg.d_model, cfg.hidden, rngs=rngs)
+    self.proj = nnx.Linear(cfg.hidden, cfg.d_model, rngs=rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return self.proj(jax.nn.gelu(self.fc(x), approximate=True))
+    return self.proj(ACTIVATIONS[self.act](self.fc(x)))
 
 
 class Block(nnx.Module):
@@ -62,7 +87,8 @@ class Block(nnx.Module):
 
 
 class FlaxGPT(nnx.Module):
-  """Token ids `[batch, time]` -> logits `[batch, time, vocab]`; the output layer is `wte`.
+  """Token ids `[batch, time]` -> logits `[batch, time, vocab]`; the output layer is `wte`
+  (or `lm_head`, when `cfg.tie_embeddings` is False).
 
   With `scan=True` the blocks are one stacked module (a leading layer axis on every
   parameter) run by `nnx.scan`; otherwise `blocks` is a list.
@@ -91,6 +117,11 @@ class FlaxGPT(nnx.Module):
     else:
       self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
     self.ln_f = nnx.LayerNorm(cfg.d_model, epsilon=cfg.eps, rngs=rngs)
+    self.lm_head = (
+      None
+      if cfg.tie_embeddings
+      else nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, rngs=rngs)
+    )
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
     x = self.wte(tokens) + self.wpe(jnp.arange(tokens.shape[1]))[None]
@@ -104,7 +135,8 @@ class FlaxGPT(nnx.Module):
     else:
       for block in self.blocks:
         x = block(x)
-    return self.wte.attend(self.ln_f(x))
+    x = self.ln_f(x)
+    return self.wte.attend(x) if self.lm_head is None else self.lm_head(x)
 
 
 TP_TABLE = {
@@ -114,10 +146,12 @@ TP_TABLE = {
   "mlp/fc/kernel": (None, "tp"),
   "mlp/fc/bias": ("tp",),
   "mlp/proj/kernel": ("tp", None),
+  "lm_head/kernel": (None, "tp"),
 }
 
 
 def tp_state(state, mesh: jax.sharding.Mesh, *, axis: str = "model"):
   """`state` (e.g. `nnx.state(nnx.eval_shape(...))`) as a restore target, Megatron-style:
-  attention heads and the MLP's hidden units split over `axis`, the rest replicated."""
+  attention heads, the MLP's hidden units (and an untied `lm_head`'s vocabulary) split over
+  `axis`, the rest replicated."""
   return tp_target(state, mesh, TP_TABLE, axis)
