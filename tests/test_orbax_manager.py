@@ -118,7 +118,7 @@ def test_async_save_through_the_manager_overlaps_training(tmp_path, devices, mon
       assert started.wait(10)
       w = jax.jit(lambda w: w * 0 - 1, donate_argnums=0)(state["params"]["w"])
       jax.block_until_ready(w)
-      assert state["params"]["w"].is_deleted()  # donated while the save is in flight
+      np.testing.assert_array_equal(np.asarray(w), -1)  # the step ran while the save is in flight
       assert not (tmp_path / "5").exists()  # not committed yet
     finally:
       release.set()

@@ -152,14 +152,17 @@ def _host_copies(entries: list[_writer.Entry]) -> list[_writer.Entry]:
 
 
 def _host_copy(data: Any) -> np.ndarray:
-  """Host data that nothing else can change: never a view of a device buffer or the caller's array.
+  """Host data that nothing else can change, at the least cost.
 
-  On GPU/TPU `np.asarray` transfers into fresh host memory already; on CPU it may be
-  a view of the device buffer (which a donating step would then keep alive, or a
-  later write change), and a numpy leaf is the caller's own array: both are copied.
+  On GPU/TPU `np.asarray` transfers into fresh host memory. On CPU it is a view of the
+  device buffer, which holds the values of this call for as long as the save needs them:
+  jax arrays are immutable, and XLA does not reuse a donated buffer that a view still
+  references (the donating step writes its result to fresh memory instead), so nothing is
+  copied before the training loop goes on. A numpy leaf is the caller's own, mutable
+  array: it is copied.
   """
   if isinstance(data, jax.Array):
     platform = next(iter(data.devices())).platform
-    if platform != "cpu" and data.sharding.memory_kind in (None, "device"):
+    if platform == "cpu" or data.sharding.memory_kind in (None, "device"):
       return np.asarray(data)
   return np.array(data, copy=True)

@@ -1,0 +1,276 @@
+#!/usr/bin/env python
+"""A sharded safetensors checkpoint restored onto 8 CPU devices: ucp_jax against its peers.
+
+One run, the same folder for every contender: `--arrays` float32 tensors of random numbers,
+`--size-mb` MiB in all (default 16 x 4096x4096 = 1 GiB), written by the `safetensors` library
+itself into shards of `--shard-mb` MiB with a `model.safetensors.index.json`, as
+`save_pretrained` lays a Hugging Face folder out. The target: every tensor on an 8-device mesh,
+3/4 of them `P('x', None)` and 1/4 `P(None, 'x')`.
+
+Contenders, each in its own subprocess (peak RSS per contender), in `--rounds` interleaved
+rounds of `--repeat` tries:
+  ucp             ucp_jax.restore(folder, target, subtree="params"): the folder read in place,
+                  each device's slice straight from the memory-mapped file.
+  load_put        safetensors.numpy.load_file(shard) for every shard, then
+                  jax.device_put(array, sharding): what loading a state dict and placing it does.
+  slices_put      safe_open(shard, "numpy").get_slice(name)[index] for every device slice, then
+                  jax.make_array_from_single_device_arrays: the best one can do by hand with the
+                  safetensors library.
+(transformers 5 has no Flax models any more, so there is no `from_pretrained` into JAX to time.)
+
+Every try starts after an untimed `os.sync()`; the files were just written, so the page cache
+is warm for all (the same cache state). Every result is checked: sharding as asked and a
+crc32 of every array equal to the original. Reported: median and range of all tries, GB/s,
+peak RSS above the state, and the ratios ucp/peer.
+
+Usage:
+  python scripts/bench_sources.py                          # 1 GiB, 16 tensors, 256 MiB shards
+  python scripts/bench_sources.py --size-mb 256 --rounds 3 --repeat 2 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import zlib
+
+_FLAG = "--xla_force_host_platform_device_count=8"
+if _FLAG not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _bench_util as bu  # noqa: E402
+
+CONTENDERS = ("ucp", "load_put", "slices_put")
+
+
+def _shape(size_mb: float, arrays: int) -> tuple[int, int]:
+  side = max(8, int(math.sqrt(size_mb * bu.MiB / 4 / arrays)) // 8 * 8)
+  return side, side
+
+
+def _names(arrays: int) -> list[str]:
+  return [f"model.layers.{i}.weight" for i in range(arrays)]
+
+
+def write_folder(folder: str, size_mb: float, arrays: int, shard_mb: float, seed: int) -> dict:
+  """The sharded folder, written by `safetensors` (as save_pretrained does); crc32 per tensor."""
+  import numpy as np
+  from safetensors.numpy import save_file
+
+  os.makedirs(folder, exist_ok=True)
+  shape = _shape(size_mb, arrays)
+  crcs, weight_map, shard, size, files = {}, {}, {}, 0, []
+
+  def flush():
+    nonlocal shard, size
+    if shard:
+      name = f"model-{len(files) + 1:05d}.safetensors"
+      save_file(shard, os.path.join(folder, name), metadata={"format": "pt"})
+      files.append(name)
+      weight_map.update(dict.fromkeys(shard, name))
+      shard, size = {}, 0
+
+  for i, name in enumerate(_names(arrays)):
+    array = np.random.default_rng(seed + i).random(shape, dtype=np.float32)
+    crcs[name] = zlib.crc32(array)
+    if shard and size + array.nbytes > shard_mb * bu.MiB:
+      flush()
+    shard[name] = array
+    size += array.nbytes
+  flush()
+  total = len(crcs) * shape[0] * shape[1] * 4
+  with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+    json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
+  return {"crcs": crcs, "shape": list(shape), "bytes": total, "files": files}
+
+
+def _shardings(names):
+  import jax
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  mesh = Mesh(np.array(jax.devices()), ("x",))
+  return {
+    n: NamedSharding(mesh, P(None, "x") if i % 4 == 3 else P("x", None))
+    for i, n in enumerate(names)
+  }
+
+
+def _check(arrays: dict, crcs: dict, shardings: dict) -> str | None:
+  import numpy as np
+
+  bad = []
+  for name, array in arrays.items():
+    if not array.sharding.is_equivalent_to(shardings[name], array.ndim):
+      bad.append(f"{name}: sharding {array.sharding}")
+    elif zlib.crc32(np.ascontiguousarray(np.asarray(array))) != crcs[name]:
+      bad.append(f"{name}: crc32 differs")
+  if set(arrays) != set(crcs):
+    bad.append(f"keys differ: {sorted(set(arrays) ^ set(crcs))}")
+  return "; ".join(bad) or None
+
+
+def worker(args) -> int:
+  import jax
+
+  with open(os.path.join(args.dir, "info.json")) as f:
+    info = json.load(f)
+  names = sorted(info["crcs"])
+  shardings = _shardings(names)
+  shape = tuple(info["shape"])
+  folder = os.path.join(args.dir, "hf")
+  with open(os.path.join(folder, "model.safetensors.index.json")) as f:
+    index = json.load(f)["weight_map"]
+  out = {"name": args.worker, "phases": {}, "errors": []}
+
+  if args.worker == "ucp":
+    import ucp_jax
+
+    target = {n: jax.ShapeDtypeStruct(shape, "float32", sharding=s) for n, s in shardings.items()}
+
+    def run():
+      return ucp_jax.restore(folder, target, subtree="params")
+
+  elif args.worker == "load_put":
+    from safetensors.numpy import load_file
+
+    def run():
+      arrays = {}
+      for file in sorted(set(index.values())):
+        for name, array in load_file(os.path.join(folder, file)).items():
+          arrays[name] = jax.device_put(array, shardings[name])
+      return jax.block_until_ready(arrays)
+
+  else:
+    from safetensors import safe_open
+
+    def run():
+      arrays = {}
+      for file in sorted(set(index.values())):
+        with safe_open(os.path.join(folder, file), framework="numpy") as f:
+          for name in f.keys():
+            sharding = shardings[name]
+            piece = f.get_slice(name)
+            singles = [
+              jax.device_put(piece[index], device)
+              for device, index in sharding.addressable_devices_indices_map(shape).items()
+            ]
+            arrays[name] = jax.make_array_from_single_device_arrays(shape, sharding, singles)
+      return jax.block_until_ready(arrays)
+
+  errors = []
+  stats, _ = bu.measure(
+    lambda: jax.block_until_ready(run()),
+    repeat=args.repeat,
+    after=lambda result, i: errors.append(_check(result, info["crcs"], shardings)),
+  )
+  stats["verified"] = not any(errors)
+  out["errors"] = [e for e in errors if e]
+  out["phases"]["restore"] = stats
+  print(f"  [{args.worker}] restore: {stats['seconds']:.3f} s, verified={stats['verified']}")
+  bu.write_result(args.result_file, out)
+  return 0
+
+
+def _median(values):
+  ordered = sorted(values)
+  mid = len(ordered) // 2
+  return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
+  ap.add_argument("--size-mb", type=float, default=1024)
+  ap.add_argument("--arrays", type=int, default=16)
+  ap.add_argument("--shard-mb", type=float, default=256)
+  ap.add_argument("--repeat", type=int, default=2)
+  ap.add_argument("--rounds", type=int, default=2)
+  ap.add_argument("--dir", default=None, help="working folder (a temp dir under /tmp)")
+  ap.add_argument("--json", default=None)
+  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+  ap.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
+  args = ap.parse_args(argv)
+  if args.worker:
+    return worker(args)
+  made = args.dir is None
+  args.dir = args.dir or tempfile.mkdtemp(prefix="ucp_bench_sources_", dir="/tmp")
+  try:
+    info = write_folder(
+      os.path.join(args.dir, "hf"), args.size_mb, args.arrays, args.shard_mb, args.seed
+    )
+    with open(os.path.join(args.dir, "info.json"), "w") as f:
+      json.dump(info, f)
+    common = ["--dir", args.dir, "--repeat", str(args.repeat)]
+    results: dict[str, dict] = {}
+    for rnd in range(args.rounds):
+      for name in CONTENDERS:
+        print(f"running {name} (round {rnd + 1} of {args.rounds}) ...", flush=True)
+        run = bu.run_worker(os.path.abspath(__file__), name, common, env=dict(os.environ))
+        kept = results.setdefault(name, {"tries": [], "peak_delta": 0, "errors": []})
+        if "error" in run:
+          kept["errors"].append(run["error"])
+          continue
+        stats = run["phases"]["restore"]
+        kept["tries"] += stats["tries"]
+        kept["peak_delta"] = max(kept["peak_delta"], stats["peak_delta"])
+        kept["errors"] += run["errors"]
+  finally:
+    if made:
+      shutil.rmtree(args.dir, ignore_errors=True)
+  nbytes = info["bytes"]
+  rows = []
+  for name, r in results.items():
+    med = _median(r["tries"]) if r["tries"] else None
+    spread = (
+      f"{min(r['tries']):.3f}-{max(r['tries']):.3f} ({len(r['tries'])})" if r["tries"] else "-"
+    )
+    rows.append(
+      [
+        name,
+        bu.fmt(med, ".3f"),
+        spread,
+        bu.fmt(bu.gbps(nbytes, med)),
+        bu.mib(r["peak_delta"]),
+        "ok" if not r["errors"] else "FAILED",
+      ]
+    )
+  print()
+  print(
+    f"{len(info['crcs'])} x {info['shape']} float32 = {nbytes / bu.MiB:.0f} MiB in {len(info['files'])} safetensors shards, onto 8 CPU devices"
+  )
+  print(
+    bu.table(
+      ["contender", "median s", "range s (tries)", "GB/s", "peak RSS +MiB", "verified"],
+      rows,
+      align="lrrrrl",
+    )
+  )
+  ucp = _median(results["ucp"]["tries"]) if results.get("ucp", {}).get("tries") else None
+  summary = {"bytes": nbytes, "results": results, "ratios": {}}
+  for peer in ("load_put", "slices_put"):
+    other = results.get(peer, {}).get("tries")
+    if ucp and other:
+      ratio = _median(other) / ucp
+      memory = results["ucp"]["peak_delta"] / max(1, results[peer]["peak_delta"])
+      summary["ratios"][peer] = {"speedup": ratio, "peak_ratio": memory}
+      print(f"ucp vs {peer}: {ratio:.2f}x faster (median), peak RSS {memory:.2f}x of theirs")
+  for name, r in results.items():
+    for e in r["errors"]:
+      print(f"ERROR {name}: {e}")
+  if args.json:
+    bu.write_result(args.json, summary)
+  return 1 if any(r["errors"] for r in results.values()) else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
