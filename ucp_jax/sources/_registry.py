@@ -18,6 +18,8 @@ from ucp_jax.sources._source_plan import Plan
 
 SOURCES = {
   "deepspeed": "ucp_jax.sources.deepspeed._source",
+  "hf": "ucp_jax.sources.hf._source",
+  "torch": "ucp_jax.sources.torch._source",
 }
 """Source name -> the module that reads it (imported on first use), in sniffing order."""
 

@@ -2,12 +2,15 @@
 
 A file is an 8-byte little-endian header length N, N bytes of JSON naming each tensor's
 dtype, shape and `[begin, end)` byte range in the data that follows, then the data. A
-sharded checkpoint adds `*.safetensors.index.json`, whose `weight_map` names the file of
-each tensor. Every tensor comes back as a read-only memory map of its bytes: a read of a
-slice touches only the pages under it.
+sharded checkpoint adds an index (`model.safetensors.index.json`, and the same for
+`pytorch_model.bin`), whose `weight_map` names the file of each tensor. Every tensor comes
+back as a read-only memory map of exactly its bytes: a read of a slice touches only the
+pages under it.
 
 The header is untrusted: its size is bounded by the file's, names must be unique, every
-range must lie in the data, match its dtype and shape exactly, and no two may overlap.
+range must lie in the data, match its dtype and shape exactly, and no two may overlap. The
+file is opened once (a regular file, never blocking) and mapped from that descriptor, so the
+bytes read are those of the file whose header was checked.
 """
 
 from __future__ import annotations
@@ -18,16 +21,18 @@ import json
 import math
 import mmap
 import os
-import stat
 from collections.abc import Iterator
 
 import ml_dtypes
 import numpy as np
 
-from ucp_jax._errors import SourceFormatError
+from ucp_jax._errors import SourceFormatError, bullet_list
+from ucp_jax.sources.torch._torch_zip import open_regular
 
 MAX_HEADER_BYTES = 100 << 20
 """The safetensors library's own bound on the JSON header."""
+MAX_INDEX_BYTES = 100 << 20
+"""The most an index (`*.index.json`) may hold."""
 
 DTYPES = {
   "BOOL": np.dtype(np.bool_),
@@ -46,9 +51,14 @@ DTYPES = {
   "C64": np.dtype("<c8"),
   "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
   "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+  "F8_E4M3FNUZ": np.dtype(ml_dtypes.float8_e4m3fnuz),
+  "F8_E5M2FNUZ": np.dtype(ml_dtypes.float8_e5m2fnuz),
   "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
 }
 """safetensors dtype names -> numpy (bfloat16 and the float8 types from ml_dtypes)."""
+
+PACKED = {"F4": "4-bit floats, two per byte", "F6_E2M3": "6-bit floats", "F6_E3M2": "6-bit floats"}
+"""safetensors dtypes whose elements are smaller than a byte: refused, by name."""
 
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
 """numpy dtype -> safetensors name, for writers."""
@@ -79,26 +89,40 @@ class SafetensorsFile:
   path: str
   tensors: dict[str, TensorInfo]
   metadata: dict[str, str]
+  mapped: mmap.mmap | None = dataclasses.field(default=None, repr=False, compare=False)
 
   def array(self, name: str) -> np.ndarray:
-    """The tensor `name` as a read-only memory map (no bytes read until used)."""
+    """The tensor `name` as a read-only memory map of its bytes (none read until used)."""
     info = self.tensors[name]
-    if info.begin == info.end:
+    if info.begin == info.end or self.mapped is None:
       return np.zeros(info.shape, info.dtype)
-    mapped = _map(self.path)
-    return np.frombuffer(mapped, info.dtype, math.prod(info.shape), info.begin).reshape(info.shape)
+    count = math.prod(info.shape)
+    return np.frombuffer(self.mapped, info.dtype, count, info.begin).reshape(info.shape)
+
+
+def fail(where: str, what: str, problems: list[str]) -> None:
+  """Raises one `SourceFormatError`: `where: what: problem` on one line, or a list."""
+  if len(problems) == 1:
+    raise SourceFormatError(f"{where}: {what}: {problems[0]}")
+  if problems:
+    raise SourceFormatError(f"{where}: {what}:\n{bullet_list(problems, 20)}")
 
 
 def read_header(path: str) -> SafetensorsFile:
-  """Reads and checks the header of one safetensors file.
+  """Reads and checks the header of one safetensors file, and maps the file.
 
   Raises:
     SourceFormatError: not a regular file, a header that is truncated, too large or not
       JSON, a duplicated name, an unknown dtype, or a byte range that overruns the file,
-      does not match the shape, or overlaps another (one message per file, all problems).
+      does not match the shape, or overlaps another (one message per file, all problems;
+      one line when there is one).
   """
-  size = _regular_size(path)
-  with open(path, "rb") as f:
+  try:
+    f = open_regular(path)
+  except FileNotFoundError:
+    raise SourceFormatError(f"{path}: no such file") from None
+  with f:
+    size = os.fstat(f.fileno()).st_size
     head = f.read(8)
     if len(head) < 8:
       raise SourceFormatError(f"{path}: not a safetensors file ({size} bytes, no header)")
@@ -107,18 +131,19 @@ def read_header(path: str) -> SafetensorsFile:
       raise SourceFormatError(
         f"{path}: not a safetensors file (its header claims {length} bytes; the file has {size})"
       )
-    raw = f.read(length)
-  try:
-    header = json.loads(raw, object_pairs_hook=_unique_keys)
-  except (UnicodeDecodeError, ValueError) as e:
-    raise SourceFormatError(f"{path}: the safetensors header is not valid JSON: {e}") from None
+    header, repeated = _json(f.read(length), path, "the safetensors header")
+    mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
   if not isinstance(header, dict):
     raise SourceFormatError(f"{path}: the safetensors header is not a JSON object")
   metadata = header.pop("__metadata__", None) or {}
   if not isinstance(metadata, dict):
     raise SourceFormatError(f"{path}: `__metadata__` is not a JSON object")
+  problems = [
+    f"tensor {k!r} appears twice" if k in header else f"the key {k!r} appears twice in an entry"
+    for k in repeated
+  ]
   start = 8 + length
-  tensors, problems = {}, []
+  tensors = {}
   for name, entry in header.items():
     info = _tensor(path, name, entry, start, size, problems)
     if info is not None:
@@ -126,36 +151,56 @@ def read_header(path: str) -> SafetensorsFile:
   spans = sorted((t.begin, t.end, t.name) for t in tensors.values() if t.end > t.begin)
   for (_, end, first), (begin, _, second) in itertools.pairwise(spans):
     if begin < end:
-      problems.append(f"tensors {first!r} and {second!r} overlap")
-  if problems:
-    raise SourceFormatError(
-      f"{path}: a damaged or forged safetensors header:\n"
-      + "\n".join(f"  {p}" for p in problems[:20])
-      + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
-    )
+      problems.append(
+        f"tensors {first!r} and {second!r} overlap (both hold bytes [{begin}, {end}))"
+      )
+  fail(path, "a damaged or forged safetensors header", problems)
   ordered = dict(sorted(tensors.items(), key=lambda kv: kv[1].begin))
-  return SafetensorsFile(path, ordered, {str(k): str(v) for k, v in metadata.items()})
+  return SafetensorsFile(path, ordered, {str(k): str(v) for k, v in metadata.items()}, mapped)
+
+
+def _json(raw: bytes, path: str, what: str) -> tuple[object, list[str]]:
+  """Parses JSON, noting every object key that appears twice (the last one would win)."""
+  repeated: list[str] = []
+
+  def pairs(items):
+    seen = {}
+    for key, value in items:
+      if key in seen:
+        repeated.append(key)
+      seen[key] = value
+    return seen
+
+  try:
+    return json.loads(raw, object_pairs_hook=pairs), repeated
+  except (UnicodeDecodeError, ValueError) as e:
+    raise SourceFormatError(f"{path}: {what} is not valid JSON: {e}") from None
 
 
 def _tensor(path, name, entry, start, size, problems) -> TensorInfo | None:
   if not isinstance(entry, dict):
-    problems.append(f"{name!r}: not a tensor entry")
+    problems.append(f"tensor {name!r}: not a tensor entry")
     return None
-  dtype = DTYPES.get(entry.get("dtype"))
+  kind = entry.get("dtype")
+  dtype = DTYPES.get(kind) if isinstance(kind, str) else None
   shape, offsets = entry.get("shape"), entry.get("data_offsets")
   if dtype is None:
-    problems.append(f"{name!r}: dtype {entry.get('dtype')!r} is not one ucp_jax reads")
+    why = f"packed {PACKED[kind]}" if kind in PACKED else "not a safetensors dtype"
+    problems.append(f"tensor {name!r}: dtype {kind!r} ({why}) is not one ucp_jax reads")
     return None
   if not _ints(shape) or not _ints(offsets) or len(offsets) != 2:
-    problems.append(f"{name!r}: shape {shape!r} / data_offsets {offsets!r} are not sizes")
+    problems.append(f"tensor {name!r}: shape {shape!r} / data_offsets {offsets!r} are not sizes")
     return None
   begin, end = start + offsets[0], start + offsets[1]
   expected = math.prod(shape) * dtype.itemsize
   if not begin <= end <= size:
-    problems.append(f"{name!r}: bytes [{begin}, {end}) lie outside the file ({size} bytes)")
+    problems.append(
+      f"tensor {name!r}: data_offsets {offsets} put its bytes at [{begin}, {end}), outside the "
+      f"file ({size} bytes): truncated or forged"
+    )
   elif end - begin != expected:
     problems.append(
-      f"{name!r}: {end - begin} bytes for shape {list(shape)} of {entry['dtype']} ({expected})"
+      f"tensor {name!r}: {end - begin} bytes for shape {list(shape)} of {kind} ({expected})"
     )
   else:
     return TensorInfo(name, dtype, tuple(shape), begin, end, path)
@@ -168,91 +213,82 @@ def _ints(value) -> bool:
   )
 
 
-def _unique_keys(pairs):
-  seen = {}
-  for key, value in pairs:
-    if key in seen:
-      raise ValueError(f"the name {key!r} appears twice")
-    seen[key] = value
-  return seen
-
-
-def _regular_size(path: str) -> int:
-  try:
-    st = os.stat(path)
-  except FileNotFoundError:
-    raise SourceFormatError(f"{path}: no such file") from None
-  if not stat.S_ISREG(st.st_mode):
-    raise SourceFormatError(f"{path}: not a regular file")
-  return st.st_size
-
-
-_MAPS: dict[str, mmap.mmap] = {}
-
-
-def _map(path: str) -> mmap.mmap:
-  """One read-only mapping per file, shared by its tensors."""
-  mapped = _MAPS.get(path)
-  if mapped is None or mapped.closed:
-    with open(path, "rb") as f:
-      mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    _MAPS[path] = mapped
-  return mapped
-
-
 def read_index(path: str) -> dict[str, str]:
   """`weight_map` of a sharded checkpoint's index: tensor name -> shard file (absolute).
 
+  Works for `model.safetensors.index.json` and `pytorch_model.bin.index.json` alike.
+
   Raises:
-    SourceFormatError: not JSON, no `weight_map`, a shard outside the folder, or a shard
-      file that is missing (all named).
+    SourceFormatError: not JSON, no `weight_map`, a name listed twice, a shard outside the
+      folder, or a shard file that is missing (one line per shard, naming its tensors).
   """
   folder = os.path.dirname(os.path.abspath(path))
   try:
-    with open(path, "rb") as f:
-      index = json.loads(f.read(MAX_HEADER_BYTES + 1), object_pairs_hook=_unique_keys)
-  except (UnicodeDecodeError, ValueError) as e:
-    raise SourceFormatError(f"{path}: not a valid safetensors index: {e}") from None
+    with open_regular(path) as f:
+      raw = f.read(MAX_INDEX_BYTES + 1)
+  except FileNotFoundError:
+    raise SourceFormatError(f"{path}: no such file") from None
+  if len(raw) > MAX_INDEX_BYTES:
+    raise SourceFormatError(f"{path}: an index larger than {MAX_INDEX_BYTES} bytes")
+  index, repeated = _json(raw, path, "the index")
   weight_map = index.get("weight_map") if isinstance(index, dict) else None
   if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
     raise SourceFormatError(f"{path}: no `weight_map` of tensor names to file names")
-  out, problems = {}, []
+  problems = [f"tensor {k!r} is listed twice" for k in repeated if k in weight_map]
+  out, by_shard = {}, {}
   for name, file in weight_map.items():
+    by_shard.setdefault(file, []).append(name)
+    out[name] = os.path.normpath(os.path.join(folder, file))
+  for file, names in by_shard.items():
     full = os.path.normpath(os.path.join(folder, file))
     if os.path.dirname(full) != folder:
-      problems.append(f"{name!r}: shard {file!r} lies outside the folder")
+      problems.append(f"shard {file!r}, listed for tensor {_some(names)}, lies outside the folder")
     elif not os.path.isfile(full):
-      problems.append(f"{name!r}: shard file {file} is missing")
-    else:
-      out[name] = full
-  if problems:
-    raise SourceFormatError(
-      f"{path}: the index names shards that cannot be read:\n"
-      + "\n".join(f"  {p}" for p in sorted(set(problems))[:20])
-    )
+      problems.append(f"shard {file}, listed for tensor {_some(names)}, is missing")
+  fail(path, "the index names shards that cannot be read", problems)
   return out
+
+
+def match_index(index_path: str, weight_map: dict[str, str], found: dict[str, list[str]]) -> None:
+  """Checks the shards against their index: each tensor in the file it names, once.
+
+  Args:
+    index_path: the index, for messages.
+    weight_map: `read_index(index_path)`.
+    found: shard file -> the tensor names it holds.
+
+  Raises:
+    SourceFormatError: a tensor in two shards, in a shard the index does not name for it,
+      or listed in the index and in no shard (all named).
+  """
+  problems, seen = [], {}
+  for file, names in found.items():
+    shard = os.path.basename(file)
+    for name in names:
+      listed = weight_map.get(name)
+      if name in seen:
+        problems.append(f"tensor {name!r} is in both {os.path.basename(seen[name])} and {shard}")
+      elif listed is None:
+        problems.append(f"{shard} holds tensor {name!r}, which the index does not list")
+      elif listed != file:
+        problems.append(
+          f"{shard} holds tensor {name!r}, which the index puts in {os.path.basename(listed)}"
+        )
+      seen.setdefault(name, file)
+  problems += [
+    f"tensor {n!r}: listed in the index for {os.path.basename(f)}, which does not hold it"
+    for n, f in weight_map.items()
+    if n not in seen
+  ]
+  fail(index_path, "the shards do not match the index", problems)
 
 
 def read_sharded(index_path: str) -> tuple[list[SafetensorsFile], dict[str, TensorInfo]]:
   """Every shard of an index, checked against it: each tensor where the index says."""
   weight_map = read_index(index_path)
   files = [read_header(f) for f in sorted(set(weight_map.values()))]
-  tensors, problems = {}, []
-  for file in files:
-    for name, info in file.tensors.items():
-      if name in tensors:
-        problems.append(f"{name!r} is in both {tensors[name].file} and {file.path}")
-      elif weight_map.get(name) != file.path:
-        problems.append(f"{file.path}: {name!r} is not listed for this file in the index")
-      tensors[name] = info
-  problems += [
-    f"{n!r}: listed in the index, not in {f}" for n, f in weight_map.items() if n not in tensors
-  ]
-  if problems:
-    raise SourceFormatError(
-      f"{index_path}: the shards do not match the index:\n"
-      + "\n".join(f"  {p}" for p in problems[:20])
-    )
+  match_index(index_path, weight_map, {f.path: list(f.tensors) for f in files})
+  tensors = {name: info for f in files for name, info in f.tensors.items()}
   return files, tensors
 
 
@@ -261,3 +297,8 @@ def iter_files(folder: str) -> Iterator[str]:
   for name in sorted(os.listdir(folder)):
     if name.endswith(".safetensors"):
       yield os.path.join(folder, name)
+
+
+def _some(names: list[str]) -> str:
+  shown = repr(names[0])
+  return shown + (f" and {len(names) - 1} more" if len(names) > 1 else "")

@@ -1,0 +1,223 @@
+"""Hugging Face folders and safetensors files as a source, read in place.
+
+What is read, in this order of preference (docs/sources.md):
+
+* a folder (`save_pretrained`): `model.safetensors.index.json` with its shards, or
+  `model.safetensors`, or the one other `*.safetensors` file or index, else
+  `pytorch_model.bin.index.json` with its shards or `pytorch_model.bin` (the safe torch
+  reader: no pickled code runs); `config.json`, when there, goes into the manifest's source;
+* a `.safetensors` file, or a `*.index.json` (its folder's shards); the `config.json` beside
+  it, if any, is read as the folder's.
+
+Every tensor is a parameter value (`params/NAME`, the torch name kept) except buffers,
+recognized by name (`torch._source.BUFFER_NAMES`). A safetensors tensor is a read-only memory
+map of exactly its bytes in its file, so a restore reads only each device's slice. Hugging Face
+leaves out `lm_head.weight` when the config ties it to the input embedding
+(`tie_word_embeddings`, true unless the config says otherwise): the schema then records the
+tie (`tied_to`), and `tied=` names ties for other layouts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from ucp_jax._errors import SourceFormatError
+from ucp_jax.sources._source_plan import Param, Plan, Tensor
+from ucp_jax.sources.hf import _safetensors as st
+from ucp_jax.sources.torch import _source as torch_source
+from ucp_jax.sources.torch._torch_zip import open_regular
+
+NAME = "hf"
+DESCRIPTION = (
+  "a Hugging Face folder (config.json with model.safetensors, model-0000N-of-0000M.safetensors "
+  "and model.safetensors.index.json, or pytorch_model.bin[.index.json]), or a .safetensors file"
+)
+BIN_INDEX = "pytorch_model.bin.index.json"
+MAX_CONFIG_BYTES = 16 << 20
+OUTPUT_EMBEDDING = "lm_head.weight"
+INPUT_EMBEDDINGS = (
+  "model.embed_tokens.weight",
+  "transformer.wte.weight",
+  "model.shared.weight",
+  "shared.weight",
+  "model.decoder.embed_tokens.weight",
+  "transformer.word_embeddings.weight",
+  "embed_tokens.weight",
+  "wte.weight",
+)
+"""Where the input embedding of the usual architectures lives, for a tied `lm_head.weight`."""
+_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+
+
+def sniff(path: str) -> bool:
+  """A folder with config.json, *.safetensors or an index; a .safetensors file or index."""
+  if os.path.isdir(path):
+    return any(
+      n == "config.json" or n == BIN_INDEX or n.endswith((".safetensors", st.INDEX_SUFFIX))
+      for n in os.listdir(path)
+    )
+  return path.endswith((".safetensors", st.INDEX_SUFFIX, BIN_INDEX))
+
+
+def describe(path: str, *, tied: dict[str, str] | None = None) -> Plan:
+  """The tensors of a Hugging Face folder or file, from metadata only (the data stays mapped).
+
+  Args:
+    path: a folder, a `.safetensors` file or an index.
+    tied: `{alias: holder}` for weights the files leave out because they share another's
+      data; default: `lm_head.weight` -> the input embedding when `config.json` ties them.
+
+  Raises:
+    SourceFormatError: no weights, a damaged or forged header, an index that does not match
+      its shards, a non-tensor in a `.bin` state dict (each naming file and tensor).
+  """
+  if not os.path.exists(path):
+    raise SourceFormatError(f"{path}: no such file or directory")
+  folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+  weights = _weights(path) if os.path.isdir(path) else path
+  config = _config(folder)
+  tensors, files, metadata, aliases = _tensors(weights)
+  ties = dict(aliases)
+  ties.update(_ties(config, tensors) if tied is None else _checked_ties(tied, tensors, weights))
+  buffers = {n: t for n, t in tensors.items() if torch_source.is_buffer(n)}
+  params = [Param(name=n, value=t) for n, t in tensors.items() if n not in buffers]
+  params += [Param(name=alias, value=None, tied_to=holder) for alias, holder in ties.items()]
+  extra: dict[str, Any] = {"tied": ties} if ties else {}
+  if metadata:
+    extra["safetensors_metadata"] = metadata
+  return Plan(
+    params=params,
+    buffers=buffers,
+    optimizer={},
+    extra=extra,
+    source={
+      "framework": "transformers",
+      "format": NAME,
+      "path": os.path.abspath(path),
+      "files": [os.path.relpath(f, folder) for f in files],
+      "architectures": config.get("architectures"),
+      "config": config,
+    },
+    step=None,
+    path=os.path.abspath(path),
+    format=NAME,
+  )
+
+
+def _weights(folder: str) -> str:
+  """The weights file (or index) of a folder, by Hugging Face's order of preference."""
+  names = sorted(os.listdir(folder))
+  indexes = [n for n in names if n.endswith(st.INDEX_SUFFIX)]
+  singles = [n for n in names if n.endswith(".safetensors")]
+  for choice in ("model" + st.INDEX_SUFFIX, "model.safetensors"):
+    if choice in names:
+      return os.path.join(folder, choice)
+  for found, what in ((indexes, "safetensors indexes"), (singles, "safetensors files")):
+    if len(found) == 1:
+      return os.path.join(folder, found[0])
+    if found:
+      raise SourceFormatError(
+        f"{folder}: {len(found)} {what} ({', '.join(found[:6])}) and no model.safetensors"
+        "[.index.json]: pass the one to read"
+      )
+  for choice in (BIN_INDEX, "pytorch_model.bin"):
+    if choice in names:
+      return os.path.join(folder, choice)
+  others = [n for n in names if n.endswith(torch_source.SUFFIXES)]
+  hint = f"; found {', '.join(others[:6])}: read it with source='torch' (--from torch)"
+  raise SourceFormatError(
+    f"{folder}: a Hugging Face folder without weights (looked for model.safetensors"
+    f"[.index.json], *.safetensors, pytorch_model.bin[.index.json]){hint if others else ''}"
+  )
+
+
+def _tensors(weights: str) -> tuple[dict[str, Tensor], list[str], dict, dict[str, str]]:
+  """(tensors by name, files read, safetensors metadata by file, aliases in .bin files)."""
+  if weights.endswith(BIN_INDEX) or weights.endswith(".bin"):
+    return _bin(weights)
+  if weights.endswith(".json"):
+    files, _ = st.read_sharded(weights)
+  else:
+    files = [st.read_header(weights)]
+  tensors = {}
+  for f in files:
+    for name, info in f.tensors.items():
+      tensors[name] = Tensor(info.shape, info.dtype, _mapped(f, name), info.where)
+  metadata = {os.path.basename(f.path): f.metadata for f in files if f.metadata}
+  return tensors, [f.path for f in files], metadata, {}
+
+
+def _mapped(file: st.SafetensorsFile, name: str):
+  return lambda: [file.array(name).reshape(-1)]
+
+
+def _bin(weights: str) -> tuple[dict[str, Tensor], list[str], dict, dict[str, str]]:
+  """The tensors of `pytorch_model.bin` or of the shards its index names."""
+  if weights.endswith(".json"):
+    weight_map = st.read_index(weights)
+    files = sorted(set(weight_map.values()))
+  else:
+    weight_map, files = None, [weights]
+  arrays, found = {}, {}
+  for file in files:
+    data = torch_source.load(file)
+    if not isinstance(data, dict):
+      raise SourceFormatError(f"{file}: holds a {type(data).__name__}, not a state dict")
+    state = torch_source.tensors(data, file)
+    found[file] = list(state)
+    arrays.update({name: (file, array) for name, array in state.items()})
+  if weight_map is not None:
+    st.match_index(weights, weight_map, found)
+  aliases = torch_source.aliases({n: a for n, (_, a) in arrays.items()})
+  tensors = {
+    n: torch_source.whole(a, f"{f}: tensor {n!r}")
+    for n, (f, a) in arrays.items()
+    if n not in aliases
+  }
+  return tensors, files, {}, aliases
+
+
+def _config(folder: str) -> dict:
+  path = os.path.join(folder, "config.json")
+  if not os.path.lexists(path):
+    return {}
+  try:
+    with open_regular(path) as f:
+      raw = f.read(MAX_CONFIG_BYTES + 1)
+  except OSError as e:
+    raise SourceFormatError(f"{path}: cannot be read ({e.strerror or e})") from None
+  if len(raw) > MAX_CONFIG_BYTES:
+    raise SourceFormatError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes")
+  try:
+    config = json.loads(raw)
+  except (UnicodeDecodeError, ValueError) as e:
+    raise SourceFormatError(f"{path}: not valid JSON: {e}") from None
+  if not isinstance(config, dict):
+    raise SourceFormatError(f"{path}: not a JSON object")
+  return config
+
+
+def _ties(config: dict, tensors: dict[str, Tensor]) -> dict[str, str]:
+  """`lm_head.weight` -> the input embedding, when the config ties them and the files leave
+  the head out."""
+  architectures = config.get("architectures") or []
+  if not config or not config.get("tie_word_embeddings", True) or OUTPUT_EMBEDDING in tensors:
+    return {}
+  if not any(isinstance(a, str) and a.endswith(_HEADS) for a in architectures):
+    return {}
+  holder = next((name for name in INPUT_EMBEDDINGS if name in tensors), None)
+  return {OUTPUT_EMBEDDING: holder} if holder is not None else {}
+
+
+def _checked_ties(tied: dict[str, str], tensors: dict[str, Tensor], where: str) -> dict[str, str]:
+  problems = [
+    f"{alias!r} -> {holder!r}: "
+    + (f"{alias!r} is in the files" if alias in tensors else f"no tensor {holder!r}")
+    for alias, holder in tied.items()
+    if alias in tensors or holder not in tensors
+  ]
+  if problems:
+    raise SourceFormatError(f"{where}: tied= names ties that do not fit: {'; '.join(problems)}")
+  return dict(tied)

@@ -1,0 +1,243 @@
+"""Plain `torch.save` files as a source: a state dict, or a training script's checkpoint dict.
+
+What a file may hold (read with the safe reader, `_torch_file.load`: no pickled code runs,
+tensors are memory maps of the file):
+
+* a state dict: `{name: tensor}` (`pytorch_model.bin`, `torch.save(model.state_dict(), ...)`);
+* a dict as training scripts write it, with the state dict under `model`, `state_dict`,
+  `model_state_dict`, `module` or `model_state`, the optimizer's `state_dict()` under
+  `optimizer`, `optim`, `optimizer_state_dict`, `opt` or `optimizer_state` (or Lightning's
+  `optimizer_states`, a list of one), and anything else (`epoch`, `step`, `scheduler`, ...)
+  kept as JSON in the schema's `extra`.
+
+Every state-dict entry becomes a parameter (`params/NAME`) except buffers, recognized by
+name (`BUFFER_NAMES`: `running_mean`, `num_batches_tracked`, ...), and aliases (an entry on
+the same bytes as an earlier one: a tied weight, `tied_to` the first). With an optimizer,
+a parameter it does not hold is frozen. Optimizer slots, groups and how its ids are matched
+to names: `_optimizer`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from ucp_jax._errors import SourceFormatError, bullet_list
+from ucp_jax.sources._source_plan import Param, Plan, jsonable, number
+from ucp_jax.sources.torch import _optimizer, _torch_file
+from ucp_jax.sources.torch._optimizer import whole
+
+NAME = "torch"
+DESCRIPTION = (
+  "a torch.save file (.pt, .pth, .bin, .ckpt), or a folder holding exactly one: a state dict, "
+  "or a {model, optimizer, ...} dict with a torch Adam/AdamW/SGD state_dict()"
+)
+SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+MODEL_KEYS = ("model", "state_dict", "model_state_dict", "module", "model_state")
+OPTIMIZER_KEYS = ("optimizer", "optim", "optimizer_state_dict", "opt", "optimizer_state")
+STEP_KEYS = ("step", "global_step")
+BUFFER_NAMES = frozenset(
+  {
+    "running_mean",
+    "running_var",
+    "num_batches_tracked",
+    "position_ids",
+    "token_type_ids",
+    "inv_freq",
+    "original_inv_freq",
+    "masked_bias",
+  }
+)
+"""Last parts of state-dict names that are buffers, not parameters (BatchNorm statistics,
+position ids, rotary frequencies)."""
+
+
+def is_buffer(name: str) -> bool:
+  """Whether a state-dict name is a buffer by its last part (`BUFFER_NAMES`)."""
+  return name.rsplit(".", 1)[-1] in BUFFER_NAMES
+
+
+def sniff(path: str) -> bool:
+  """A torch file by its suffix, or a folder holding exactly one (file names only)."""
+  if os.path.isdir(path):
+    return len(_torch_files(path)) == 1
+  return path.endswith(SUFFIXES)
+
+
+def describe(path: str, *, param_names: list[list[str]] | None = None) -> Plan:
+  """The file's parameters, buffers, optimizer slots and groups; the tensors stay mapped.
+
+  Args:
+    path: a torch file, or a folder holding exactly one.
+    param_names: for an optimizer whose `param_groups` do not name their parameters (torch
+      < 2.6, or built from `model.parameters()`) and whose ids cannot be told apart by
+      shape: the state-dict names of each group's parameters, in the order given to it.
+
+  Raises:
+    SourceFormatError: not a state dict or a checkpoint dict, a non-tensor where a tensor
+      must be, an optimizer state that does not fit the model (all named, file and key).
+  """
+  file = _the_file(path)
+  data = load(file)
+  model, model_key, osd, osd_where, rest = split(data, file)
+  prefix = f"[{model_key!r}]" if model_key else ""
+  arrays = tensors(model, file, prefix)
+  buffers = {n: whole(a, f"{file}: {prefix}[{n!r}]") for n, a in arrays.items() if is_buffer(n)}
+  ties = aliases({n: a for n, a in arrays.items() if n not in buffers})
+  kept = [n for n in arrays if n not in ties and n not in buffers]
+  optimizer, extra, step = {}, {}, None
+  held: dict[str, _optimizer.Held] = {}
+  if osd is not None:
+    shapes = {n: tuple(arrays[n].shape) for n in kept}
+    found = _optimizer.read(osd, file, osd_where, shapes, param_names)
+    held, optimizer, step = found.held, found.entry, found.step
+    extra = found.extra
+  params = []
+  for name in [n for n in kept if n in held] + [n for n in kept if n not in held]:
+    where = f"{file}: {prefix}[{name!r}]"
+    h = held.get(name)
+    params.append(
+      Param(
+        name=name,
+        value=whole(arrays[name], where),
+        slots={} if h is None else h.slots,
+        group=None if h is None else h.group,
+        frozen=osd is not None and h is None,
+      )
+    )
+  params += [Param(name=alias, value=None, tied_to=holder) for alias, holder in ties.items()]
+  step = _wrapper_step(rest, step)
+  return Plan(
+    params=params,
+    buffers=buffers,
+    optimizer=optimizer,
+    extra={**extra, "client_state": jsonable(rest)} if rest or extra else {},
+    source={
+      "framework": "torch",
+      "format": NAME,
+      "path": os.path.abspath(file),
+      "model_key": model_key,
+      "optimizer_key": osd_where or None,
+    },
+    step=step,
+    path=file,
+    format=NAME,
+  )
+
+
+def load(file: str) -> Any:
+  """The object tree of a torch file, read safely; every error names the file."""
+  try:
+    return _torch_file.load(file)
+  except SourceFormatError as e:
+    if file in str(e):
+      raise
+    raise SourceFormatError(f"{file}: {e}") from e
+  except OSError as e:
+    raise SourceFormatError(f"{file}: cannot read this torch file ({e.strerror or e})") from e
+
+
+def split(data: Any, file: str) -> tuple[dict, str | None, Any, str, dict]:
+  """(state dict, its key or None, optimizer state dict or None, its key, the other entries)."""
+  if not isinstance(data, dict):
+    raise SourceFormatError(
+      f"{file}: holds a {type(data).__name__}, not a state dict or a checkpoint dict"
+    )
+  models = [k for k in MODEL_KEYS if isinstance(data.get(k), dict)]
+  if not models:
+    if data and not any(isinstance(v, np.ndarray) for v in data.values()):
+      keys = ", ".join(repr(k) for k in list(data)[:8]) + (" ..." if len(data) > 8 else "")
+      raise SourceFormatError(
+        f"{file}: neither a state dict nor a checkpoint dict: no tensors, and no state dict "
+        f"under {', '.join(MODEL_KEYS)} (its keys: {keys})"
+      )
+    return data, None, None, "", {}
+  if len(models) > 1:
+    raise SourceFormatError(
+      f"{file}: both {models[0]!r} and {models[1]!r} hold a dict: which is the model's state "
+      "dict? Save one of them"
+    )
+  optims = [k for k in OPTIMIZER_KEYS if isinstance(data.get(k), dict)]
+  osd, where = None, ""
+  if len(optims) > 1:
+    raise SourceFormatError(f"{file}: both {optims[0]!r} and {optims[1]!r} hold an optimizer")
+  if optims:
+    osd, where = data[optims[0]], f"[{optims[0]!r}]"
+  elif isinstance(data.get("optimizer_states"), list):  # PyTorch Lightning
+    states = data["optimizer_states"]
+    if len(states) != 1:
+      raise SourceFormatError(
+        f"{file}: ['optimizer_states'] holds {len(states)} optimizers; ucp_jax reads one"
+      )
+    osd, where = states[0], "['optimizer_states'][0]"
+  taken = {models[0], *optims, *(["optimizer_states"] if where.startswith("['optimizer_s") else [])}
+  rest = {str(k): v for k, v in data.items() if k not in taken}
+  return data[models[0]], models[0], osd, where, rest
+
+
+def tensors(state: dict, file: str, prefix: str = "") -> dict[str, np.ndarray]:
+  """The entries of a state dict, each checked to be a tensor (all problems at once)."""
+  bad = []
+  for name, value in state.items():
+    if not isinstance(name, str):
+      bad.append(f"{prefix}[{name!r}]: a {type(name).__name__} key, not a parameter name")
+    elif not isinstance(value, np.ndarray):
+      shown = getattr(value, "qualname", None) or f"{type(value).__name__} {value!r:.40}"
+      bad.append(f"{prefix}[{name!r}] holds {shown}, not a tensor")
+  if len(bad) == 1:
+    raise SourceFormatError(f"{file}: not a state dict of tensors: {bad[0]}")
+  if bad:
+    raise SourceFormatError(f"{file}: not a state dict of tensors:\n{bullet_list(bad, 20)}")
+  if not state:
+    raise SourceFormatError(f"{file}: {prefix or 'the file'} holds no tensors")
+  return dict(state)
+
+
+def aliases(arrays: dict[str, np.ndarray]) -> dict[str, str]:
+  """Entries on exactly the bytes of an earlier entry (a tied weight) -> that entry."""
+  first: dict[tuple, str] = {}
+  out = {}
+  for name, array in arrays.items():
+    if array.size == 0:
+      continue
+    place = (array.__array_interface__["data"][0], array.shape, array.strides, array.dtype.str)
+    if place in first:
+      out[name] = first[place]
+    else:
+      first[place] = name
+  return out
+
+
+def _wrapper_step(rest: dict, step: int | None) -> int | None:
+  for key in STEP_KEYS:
+    value = rest.get(key)
+    if isinstance(value, (int, np.integer, np.ndarray)) and np.ndim(value) == 0:
+      value = number(value)
+      if isinstance(value, int):
+        return value
+  return step
+
+
+def _torch_files(folder: str) -> list[str]:
+  return sorted(
+    n
+    for n in os.listdir(folder)
+    if n.endswith(SUFFIXES) and os.path.isfile(os.path.join(folder, n))
+  )
+
+
+def _the_file(path: str) -> str:
+  if not os.path.exists(path):
+    raise SourceFormatError(f"{path}: no such file or directory")
+  if not os.path.isdir(path):
+    return path
+  files = _torch_files(path)
+  if len(files) != 1:
+    found = ", ".join(files) or "none"
+    raise SourceFormatError(
+      f"{path}: a folder read as a torch source must hold exactly one torch file "
+      f"({', '.join(SUFFIXES)}); found {found}: pass the file"
+    )
+  return os.path.join(path, files[0])
