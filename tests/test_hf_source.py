@@ -574,12 +574,6 @@ def test_a_sharded_pytorch_model_bin_is_checked_against_its_index(llama, tmp_pat
   )
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="sources/_convert._check_growth sums the files under Plan.path, which is the file "
-  "itself for a single-file source: os.walk of a file finds none, so past GROWTH_SLACK "
-  "(256 MiB) a lone .safetensors or .pt file cannot be converted",
-)
 def test_a_single_file_converts_whatever_its_size(tmp_path, monkeypatch):
   from ucp_jax.sources import _convert
 

@@ -4,8 +4,8 @@ Every case is run as a user runs it: in a subprocess, under a wall-clock limit a
 address-space limit. Each run must exit 2 (not 0, not a signal) with one line on stderr that
 names the hostile file and has no traceback; a conversion must leave nothing at or beside its
 destination; and no payload may run (its canary file must not appear). A standalone ``.pt``
-goes through the safe reader directly too, since `ucp convert` and `ucp inspect` refuse a single
-file before reading it. The other DeepSpeed sources (ZeRO-3, universal, TP, MoE experts) get the
+goes through the safe reader directly too, besides `ucp convert` and `ucp inspect` (which read
+it through the torch source). The other DeepSpeed sources (ZeRO-3, universal, TP, MoE experts) get the
 pickle-level cases in process. Two controls show that the crashes are real under plain pickle.
 """
 

@@ -141,13 +141,19 @@ def convert(
 
 
 def _check_growth(folder: str, nbytes: int) -> None:
-  """Refuses to write more than `MAX_GROWTH` times the bytes of the files in `folder`."""
-  read = sum(
-    os.stat(os.path.join(root, name)).st_size
-    for root, _, names in os.walk(folder)
-    for name in names
-    if os.path.isfile(os.path.join(root, name))
-  )
+  """Refuses to write more than `MAX_GROWTH` times the bytes of the source's files.
+
+  `folder` is what the source read: a folder (every file below it counts) or one file.
+  """
+  if os.path.isfile(folder):
+    read = os.stat(folder).st_size
+  else:
+    read = sum(
+      os.stat(os.path.join(root, name)).st_size
+      for root, _, names in os.walk(folder)
+      for name in names
+      if os.path.isfile(os.path.join(root, name))
+    )
   if nbytes > MAX_GROWTH * read + GROWTH_SLACK:
     raise SourceFormatError(
       f"{folder}: its arrays would take {nbytes} bytes, more than {MAX_GROWTH} times the {read} "
