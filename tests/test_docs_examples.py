@@ -10,6 +10,7 @@ from __future__ import annotations
 import doctest
 import importlib
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -268,6 +269,37 @@ def test_readme_from_deepspeed_to_jax_and_back(in_tmp, devices, needs_torch):
   assert int(optimizer.step[...]) == GPT_INFO["steps_before_save"]
   assert (Path("ds_export") / "latest_universal").read_text().strip() == "global_step10"
   assert (Path("ds_universal") / "latest_universal").read_text().strip() == "global_step10"
+
+
+# README: "From Hugging Face to JAX and back"
+
+
+def test_readme_from_hugging_face_to_jax_and_back(in_tmp, devices, needs_torch):
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  section = _section(README, "## From Hugging Face to JAX and back")
+  config = transformers.LlamaConfig(
+    vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+  )  # fmt: skip
+  torch.manual_seed(0)
+  hf = transformers.LlamaForCausalLM(config).eval()
+  hf.save_pretrained("hf_model", max_shard_size="20KB")  # sharded, with an index
+  code = _blocks(section)[0]
+  ns = _run(
+    code, "README.md: From Hugging Face to JAX and back",
+    ucp_jax=ucp_jax, nnx=nnx, optax=optax, transformers=transformers,
+  )  # fmt: skip
+  ids = np.arange(12).reshape(2, 6) % 64
+  with torch.no_grad():
+    want = hf(torch.tensor(ids)).logits.numpy()
+    again = ns["reloaded"].eval()(torch.tensor(ids)).logits.numpy()
+  np.testing.assert_allclose(np.asarray(ns["model"](jnp.asarray(ids))), want, atol=1e-5)
+  np.testing.assert_allclose(again, want, atol=1e-5)
+  os.rename("hf_out", "hf_out_python")
+  _shell(_blocks(section, "bash")[0])  # inspect, convert, export through --rules hf
+  assert ucp_jax.diff("hf_out", "hf_out_python").identical  # the CLI wrote what Python did
+  assert ucp_jax.diff("universal", "hf_model").identical
 
 
 # docs/*.md

@@ -86,7 +86,12 @@ def mapped_state(
   from flax import nnx
 
   graphdef, current, rest = nnx.split(model, nnx.Param if wrt is None else wrt, ...)
-  ckpt = source if _is_checkpoint_path(source) else ArraysCheckpoint(source)
+  if _is_checkpoint_path(source):
+    ckpt = _reader.open(source)
+    if subtree is None:  # converted checkpoints and sources keep the weights under params/
+      subtree = "params" if any(k.startswith("params/") for k in ckpt.keys()) else ""
+  else:
+    ckpt = ArraysCheckpoint(source)
   state = _restore.restore(ckpt, current, subtree=subtree, partial=partial, cast=cast, rules=rules)
   return graphdef, state, rest
 
@@ -128,7 +133,8 @@ def load_into(
       checkpoint: a path `ucp_jax.open` reads, or an opened `ucp_jax.Checkpoint`.
     rules: maps the source's names and layouts onto the model's keys; None when the
       names are already the model's (`blocks/0/mlp/fc/kernel`).
-    subtree: for a checkpoint, the key prefix the names live under (e.g. `"params"`).
+    subtree: for a checkpoint, the key prefix the names live under; default `params` when
+      the checkpoint has keys there (converted checkpoints, Hugging Face folders, ...).
     partial: leave out names no rule matches, and keys the model does not ask for.
     cast: convert dtypes to the model's (a bfloat16 checkpoint into a float32 model).
     wrt: the variables to load, an `nnx` filter (default: `nnx.Param`).
