@@ -10,7 +10,6 @@ import ctypes
 import json
 import mmap
 import os
-import sys
 from pathlib import Path
 
 import jax
@@ -24,7 +23,6 @@ from ucp_jax import _cli
 from ucp_jax.rules import Rule, RuleSet, transpose
 from ucp_jax.sources import _registry
 from ucp_jax.sources.hf import _safetensors as st
-from ucp_jax.tree import _restore
 
 save_file = pytest.importorskip("safetensors.numpy").save_file
 RNG = np.random.default_rng(0)
@@ -161,57 +159,64 @@ def _drop_from_cache(path) -> None:
     os.close(fd)
 
 
-@pytest.mark.skipif(
-  not sys.platform.startswith("linux") or not hasattr(os, "posix_fadvise"),
-  reason="counts page-cache pages with mincore and posix_fadvise",
-)
-def test_restore_onto_a_2x4_mesh_reads_only_each_devices_slice(tmp_path, monkeypatch, devices):
-  """Each device's read brings into memory its slice's pages and no others.
+def _record_preads(monkeypatch) -> list[tuple[int, int]]:
+  """Every (file offset, bytes) the checkpoint view reads, as it reads them."""
+  from ucp_jax.sources import _file_reads
 
-  The file is dropped from the page cache after its header is read and its mapping is
-  advised MADV_RANDOM (no readahead: the kernel reads exactly the pages touched), so the
-  pages cached after each read are the pages that read touched.
-  """
-  data = RNG.standard_normal((16, 65536)).astype(np.float32)  # 4 MiB, 256 KiB per row
+  reads, pread = [], _file_reads._pread
+
+  def recorded(path, start, out):
+    reads.append((start, out.nbytes))
+    return pread(path, start, out)
+
+  monkeypatch.setattr(_file_reads, "_pread", recorded)
+  return reads
+
+
+@pytest.mark.parametrize(
+  ("spec", "expected"),
+  [
+    (P("x", None), "each device its own rows, one read each"),
+    (P("x", "y"), "each row block once, shared by the devices that split its columns"),
+  ],
+)
+def test_restore_onto_a_mesh_reads_each_byte_once(tmp_path, monkeypatch, devices, spec, expected):
+  data = RNG.standard_normal((16, 4096)).astype(np.float32)
   path = tmp_path / "w.safetensors"
   save_file({"w": data}, path)
-  read_header = st.read_header
-
-  def random_access(file):
-    opened = read_header(file)
-    opened.mapped.madvise(mmap.MADV_RANDOM)
-    return opened
-
-  monkeypatch.setattr(st, "read_header", random_access)
-  ckpt = ucp_jax.open(path)
-  _drop_from_cache(path)
-  if _cached_bytes(path) > 0:
-    pytest.skip("this file system keeps the file in the page cache")
-  reads, read = [], _restore._Reads._read
-
-  def measured(self, key, index):
-    before = _cached_bytes(path)
-    out, future = read(self, key, index)
-    future.result()
-    reads.append((key, tuple((s.start, s.stop) for s in index), _cached_bytes(path) - before))
-    return out, future
-
-  monkeypatch.setattr(_restore._Reads, "_read", measured)
-  sharding = NamedSharding(jax.make_mesh((2, 4), ("x", "y"), devices=devices), P("x", "y"))
-  target = {"w": jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding)}
-  restored = ucp_jax.restore(ckpt, target, subtree="params")
-  np.testing.assert_array_equal(np.asarray(restored["w"]), data)
-  slices = sorted(
-    tuple((s.start, s.stop) for s in index)
-    for index in sharding.devices_indices_map(data.shape).values()
+  begin = st.read_header(str(path)).tensors["w"].begin
+  reads = _record_preads(monkeypatch)
+  mesh = (
+    jax.make_mesh((8,), ("x",), devices=devices)
+    if spec == P("x", None)
+    else jax.make_mesh((2, 4), ("x", "y"), devices=devices)
   )
-  assert sorted(index for _, index, _ in reads) == slices  # one read per device slice
-  slice_bytes, rows = data.nbytes // 8, 8
-  page = mmap.PAGESIZE
-  for key, index, cached in reads:  # each row's part: its pages, +-1 it shares with a neighbour
-    assert key == "params/w"
-    assert slice_bytes - rows * page <= cached <= slice_bytes + rows * page, (index, cached)
-  assert data.nbytes <= _cached_bytes(path) <= data.nbytes + 2 * page  # each page read once
+  sharding = NamedSharding(mesh, spec)
+  target = {"w": jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding)}
+  restored = ucp_jax.restore(path, target, subtree="params")
+  np.testing.assert_array_equal(np.asarray(restored["w"]), data)
+  assert sum(n for _, n in reads) == data.nbytes, expected  # nothing twice, nothing extra
+  row = data.shape[1] * 4
+  if spec == P("x", None):  # 8 reads, each exactly a device's 2 rows
+    assert sorted(reads) == [(begin + 2 * i * row, 2 * row) for i in range(8)]
+  else:  # 2 reads: the 8 rows each half of the mesh needs
+    assert sorted(reads) == [(begin, 8 * row), (begin + 8 * row, 8 * row)]
+
+
+def test_a_process_that_needs_some_columns_reads_those_only(tmp_path, monkeypatch):
+  from ucp_jax.sources import _file_reads
+
+  data = RNG.standard_normal((16, 4096)).astype(np.float32)
+  path = tmp_path / "w.safetensors"
+  save_file({"w": data}, path)
+  begin = st.read_header(str(path)).tensors["w"].begin
+  reads = _record_preads(monkeypatch)
+  regions = [(slice(0, 16), slice(1024, 1536)), (slice(0, 16), slice(1536, 2048))]
+  outs, wait = _file_reads.start_read(str(path), begin, data.shape, data.dtype, regions)
+  wait()
+  for region, out in zip(regions, outs):
+    np.testing.assert_array_equal(out, data[region])
+  assert reads == [(begin + r * 4096 * 4 + 1024 * 4, 1024 * 4) for r in range(16)]
 
 
 def test_a_tensor_is_a_memory_map_of_exactly_its_bytes(tmp_path):

@@ -34,12 +34,16 @@ class Tensor:
     pieces: returns 1-D arrays whose concatenation, in order, is the array in C order
       (memory-mapped views where possible; may load a file on demand).
     where: the source file and key, for messages.
+    file: `(path, byte offset)` when the array's bytes are one C-order, little-endian run
+      in a file (a safetensors tensor): a checkpoint view then reads each device's slice
+      with `pread` straight into the buffer the device adopts, nothing mapped.
   """
 
   shape: tuple[int, ...]
   dtype: np.dtype
   pieces: Pieces
   where: str
+  file: tuple[str, int] | None = None
 
   @property
   def numel(self) -> int:

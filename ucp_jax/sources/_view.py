@@ -15,7 +15,7 @@ import numpy as np
 import tensorstore as ts
 
 from ucp_jax import _errors
-from ucp_jax.sources import _registry, _source_plan
+from ucp_jax.sources import _file_reads, _registry, _source_plan
 from ucp_jax.store import _keypath, _location, _reader
 from ucp_jax.store._manifest import Manifest
 
@@ -51,6 +51,16 @@ class SourceCheckpoint(_reader.Checkpoint):
   def files(self, key: str) -> None:
     """None: a source's arrays are read through their memory maps."""
     self[key]
+
+  def reads_directly(self, key: str) -> bool:
+    """Whether `key`'s bytes are one run in a file, read by slice with `pread`."""
+    self[key]
+    return self._tensors[key].file is not None
+
+  def start_read(self, key: str, regions: list):
+    tensor = self._tensors[key]
+    path, offset = tensor.file
+    return _file_reads.start_read(path, offset, tensor.shape, tensor.dtype, regions)
 
   def array(self, key: str) -> np.ndarray:
     """`key` as a numpy array: a memory map where it is one piece of a file."""

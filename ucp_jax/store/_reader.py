@@ -88,6 +88,21 @@ class Checkpoint:
       self.data.io_path(key), os.path.join(self.data.local_dir, key), key, info, self.data.pin
     )
 
+  def reads_directly(self, key: str) -> bool:
+    """Whether `start_read` reads `key` without TensorStore (its chunk files, on a local disk)."""
+    return self.files(key) is not None
+
+  def start_read(self, key: str, regions: list) -> tuple[list[np.ndarray], Any]:
+    """Starts reading `regions` of `key` into aligned host buffers (`reads_directly` keys).
+
+    Returns the buffers and a function that waits for them to be filled (and raises what
+    went wrong).
+    """
+    files = self.files(key)
+    if files is None:
+      raise ValueError(f"`{key}` is not read directly; read it through open_future")
+    return _direct.start_read(files, regions)
+
   def replaced(self) -> bool:
     """Whether another save has replaced the checkpoint at this path since it was opened."""
     try:

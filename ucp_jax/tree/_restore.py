@@ -12,7 +12,7 @@ import numpy as np
 import tensorstore as ts
 
 from ucp_jax import _errors
-from ucp_jax.store import _direct, _hostmem, _keypath, _reader, _regions, _zarr
+from ucp_jax.store import _hostmem, _keypath, _reader, _regions, _zarr
 from ucp_jax.store._manifest import ArrayInfo
 from ucp_jax.tree import _save, _tree
 
@@ -224,7 +224,7 @@ class _Reads:
     self._stores: dict[str, Any] = {}
 
   def run(self, wants: dict[str, _Want]) -> dict[str, Any]:
-    ts_keys = [k for k in wants if self._files(k) is None]
+    ts_keys = [k for k in wants if not self._ckpt.reads_directly(k)]
     futures = {k: self._ckpt.open_future(k) for k in ts_keys}
     location = self._ckpt.location
     self._stores = {k: _zarr.wait_open(location, k, f) for k, f in futures.items()}
@@ -244,23 +244,18 @@ class _Reads:
     """Units of reading: every slice of a direct-read array together, else one slice each."""
     for key, want in wants.items():
       tasks = list(self._tasks(want))
-      if self._files(key) is not None:
+      if self._ckpt.reads_directly(key):
         yield want, [t[1] for t in tasks], [t[2] for t in tasks], sum(t[3] for t in tasks)
       else:
         for _, index, devices, nbytes in tasks:
           yield want, [index], [devices], nbytes
 
-  def _files(self, key: str) -> _direct.ArrayFiles | None:
-    """The array's chunk files, when they can be read without TensorStore."""
-    return self._ckpt.files(key)
-
   def _start(self, unit):
     want, indices, devices, nbytes = unit
     info = self._ckpt[want.key]
-    files = self._files(want.key)
-    if files is not None:
+    if self._ckpt.reads_directly(want.key):
       regions = [_regions.normalize(index, info.shape) for index in indices]
-      hosts, wait = _direct.start_read(files, regions)
+      hosts, wait = self._ckpt.start_read(want.key, regions)
     else:
       hosts, futures = zip(*(self._read(want.key, index) for index in indices))
 

@@ -144,7 +144,9 @@ def _tensors(weights: str) -> tuple[dict[str, Tensor], list[str], dict, dict[str
   tensors = {}
   for f in files:
     for name, info in f.tensors.items():
-      tensors[name] = Tensor(info.shape, info.dtype, _mapped(f, name), info.where)
+      tensors[name] = Tensor(
+        info.shape, info.dtype, _mapped(f, name), info.where, file=(f.path, info.begin)
+      )
   metadata = {os.path.basename(f.path): f.metadata for f in files if f.metadata}
   return tensors, [f.path for f in files], metadata, {}
 

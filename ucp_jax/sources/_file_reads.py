@@ -1,0 +1,106 @@
+"""Slices of an array stored as one C-order run of bytes in a file, read with `pread`.
+
+A device's slice of a row-sharded array is one contiguous range of the file: it is read
+straight into the aligned buffer the device adopts (one copy, from the page cache, as
+numpy's own file reads do). Slices that cut the trailing dimensions are grouped by the rows
+they span: when together they need whole rows (this process holds every column), the rows
+are read once, into a buffer they share, and each slice is copied out; otherwise only the
+span of columns they need is read, row by row. Either way each byte is read at most once
+per process. Nothing is memory-mapped, so the process's
+resident memory holds the restored arrays only.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import numpy as np
+
+from ucp_jax._errors import SourceFormatError
+from ucp_jax.store import _direct, _hostmem
+
+Region = tuple[slice, ...]
+_MAX_READ = 1 << 30  # Linux reads at most ~2 GiB per call; stay well below
+
+
+def start_read(path: str, offset: int, shape: tuple[int, ...], dtype, regions: list[Region]):
+  """Starts reading `regions` of the array at byte `offset` of `path` into aligned buffers.
+
+  Returns the buffers and a function that waits for them to be filled.
+  """
+  dtype = np.dtype(dtype)
+  if sys.byteorder != "little" and dtype.itemsize > 1:
+    raise SourceFormatError(f"{path}: little-endian data on a big-endian host")
+  outs = [_hostmem.aligned_empty(tuple(s.stop - s.start for s in r), dtype) for r in regions]
+  by_rows: dict[tuple[int, int], list[int]] = {}
+  tasks = []
+  for i, region in enumerate(regions):
+    if _contiguous(region, shape):
+      tasks.append(_direct.submit(_read_run, path, offset, shape, dtype, region, outs[i]))
+    else:
+      by_rows.setdefault((region[0].start, region[0].stop), []).append(i)
+  for (start, stop), users in by_rows.items():
+    group = [regions[i] for i in users]
+    block = (slice(start, stop), *_columns(group, shape))
+    tasks.append(
+      _direct.submit(
+        _read_shared, path, offset, shape, dtype, block, group, [outs[i] for i in users]
+      )
+    )
+
+  def wait() -> None:
+    for task in tasks:
+      task.result()
+
+  return outs, wait
+
+
+def _contiguous(region: Region, shape: tuple[int, ...]) -> bool:
+  """Whether `region` is one run of the C-order array: full in every dimension after the first."""
+  return all(s.start == 0 and s.stop == n for s, n in zip(region[1:], shape[1:]))
+
+
+def _columns(regions: list[Region], shape: tuple[int, ...]) -> tuple[slice, ...]:
+  """The second dimension's span the regions need together (whole trailing dims past it)."""
+  if len(shape) < 2:
+    return ()
+  lo = min(r[1].start for r in regions)
+  hi = max(r[1].stop for r in regions)
+  return (slice(lo, hi), *(slice(0, n) for n in shape[2:]))
+
+
+def _read_run(path: str, offset: int, shape, dtype: np.dtype, region: Region, out: np.ndarray):
+  row = math.prod(shape[1:]) * dtype.itemsize
+  start = offset + (region[0].start * row if shape else 0)
+  _pread(path, start, out)
+
+
+def _read_shared(path, offset, shape, dtype: np.dtype, block: Region, regions, outs) -> None:
+  """Reads `block` (rows, and a column span with whole trailing dims) once; copies out `regions`."""
+  rows = np.empty(tuple(s.stop - s.start for s in block), dtype)
+  if _contiguous(block, shape):
+    _read_run(path, offset, shape, dtype, block, rows)
+  else:  # each row's span of columns is one run
+    row = math.prod(shape[1:]) * dtype.itemsize
+    first = block[1].start * math.prod(shape[2:]) * dtype.itemsize
+    for i in range(rows.shape[0]):
+      _pread(path, offset + (block[0].start + i) * row + first, rows[i])
+  origin = tuple(s.start for s in block)
+  for region, out in zip(regions, outs):
+    out[...] = rows[tuple(slice(s.start - o, s.stop - o) for s, o in zip(region, origin))]
+
+
+def _pread(path: str, start: int, out: np.ndarray) -> None:
+  view = memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(bytearray())
+  fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+  try:
+    done = 0
+    while done < view.nbytes:
+      got = os.preadv(fd, [view[done : done + _MAX_READ]], start + done)
+      if got == 0:
+        raise SourceFormatError(f"{path}: ends at byte {start + done}, inside a tensor")
+      done += got
+  finally:
+    os.close(fd)
