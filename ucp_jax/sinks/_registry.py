@@ -19,6 +19,7 @@ from ucp_jax.sinks._report import ExportReport
 SINKS = {
   "deepspeed": "ucp_jax.sinks._deepspeed",
   "hf": "ucp_jax.sinks._hf",
+  "orbax": "ucp_jax.sinks._orbax",
 }
 """Format name -> the module that writes it (imported on first use)."""
 

@@ -18,6 +18,7 @@ from ucp_jax.sources._source_plan import Plan
 
 SOURCES = {
   "deepspeed": "ucp_jax.sources.deepspeed._source",
+  "orbax": "ucp_jax.sources.orbax._source",
   "hf": "ucp_jax.sources.hf._source",
   "torch": "ucp_jax.sources.torch._source",
 }

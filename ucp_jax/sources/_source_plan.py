@@ -37,6 +37,11 @@ class Tensor:
     file: `(path, byte offset)` when the array's bytes are one C-order, little-endian run
       in a file (a safetensors tensor): a checkpoint view then reads each device's slice
       with `pread` straight into the buffer the device adopts, nothing mapped.
+    store: the array as an opened TensorStore, for a source whose files TensorStore reads
+      (Orbax): a checkpoint view reads each slice from it, nothing whole (`pieces` still
+      reads the whole array, for `convert`).
+    info: `ArrayInfo` fields of a leaf that is not a plain array (`kind`: `scalar` with its
+      `python_type`, or `prng_key` with its `prng_impl`), for `Plan.arrays`.
   """
 
   shape: tuple[int, ...]
@@ -44,6 +49,8 @@ class Tensor:
   pieces: Pieces
   where: str
   file: tuple[str, int] | None = None
+  store: Any = None
+  info: dict = dataclasses.field(default_factory=dict)
 
   @property
   def numel(self) -> int:
@@ -91,7 +98,10 @@ class Plan:
     step: the training step recorded in the manifest.
     path: the folder or file actually read (DeepSpeed: the tag folder), for the report.
     format: the source's name for what it read (`deepspeed`, `deepspeed_universal`, `hf`,
-      `torch`).
+      `torch`, `orbax`).
+    arrays: arrays kept at their own keys, for a source that stores a pytree (Orbax: each
+      leaf at its tree path); with no `params` and `buffers`, `schema` is the manifest's.
+    schema: the manifest's schema for a plan of `arrays` alone (it names their keys), or None.
   """
 
   params: list[Param]
@@ -102,6 +112,8 @@ class Plan:
   step: int | None
   path: str
   format: str = ""
+  arrays: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+  schema: dict | None = None
 
 
 def number(value: Any) -> int | float:
@@ -206,6 +218,13 @@ def layout(plan: Plan) -> tuple[dict[str, tuple[ArrayInfo, Tensor]], dict]:
     if p.tied_to is not None:
       entries[p.name]["value"] = values.get(p.tied_to)
   buffers = {name: add("buffers", name, t, "buffer") for name, t in plan.buffers.items()}
+  for key, tensor in plan.arrays.items():  # a pytree's leaves, at their own keys
+    dtype = np.dtype(tensor.dtype)
+    chunks = _zarr.choose_chunks(tensor.shape, tensor.shape, dtype.itemsize)
+    info = ArrayInfo(tensor.shape, _zarr.zarr_dtype(dtype), chunks, **tensor.info)
+    jobs[key] = (info, tensor)
+  if plan.arrays and not plan.params and not plan.buffers:
+    return jobs, plan.schema
   schema = {
     "version": 1,
     "naming": "torch",

@@ -28,7 +28,8 @@ class SourceCheckpoint(_reader.Checkpoint):
   An array held in one piece of a file (a safetensors tensor, a torch storage, a ZeRO-3
   partition) is a memory map: a read of a slice touches only the pages under it. An array
   made of several pieces (a ZeRO-1/2 flat partition split over ranks) is assembled when
-  first read.
+  first read. An array the source opened as a TensorStore (Orbax) is read through it, each
+  slice on its own.
   """
 
   checksummed = False
@@ -70,8 +71,9 @@ class SourceCheckpoint(_reader.Checkpoint):
 
   def open_future(self, key: str) -> ts.Future:
     promise, future = ts.Promise.new()
+    store = self._tensors[key].store if key in self._tensors else None
     try:
-      promise.set_result(ts.array(self.array(key), copy=False))
+      promise.set_result(store if store is not None else ts.array(self.array(key), copy=False))
     except Exception as e:  # raised by whoever waits on it, named by key
       promise.set_exception(e)
     return future

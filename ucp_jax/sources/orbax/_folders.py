@@ -1,0 +1,178 @@
+"""Which folder of an Orbax path holds the tree, and whether its save was committed.
+
+Orbax writes a pytree item as a folder (`_METADATA`, `manifest.ocdbt`, `d/`, ...);
+`CheckpointManager` puts the items of each step in a step folder (`ROOT/STEP/ITEM/`, the step
+folder holding `_CHECKPOINT_METADATA`). A save is committed once its folder is renamed from
+`NAME.orbax-checkpoint-tmp...` and holds `commit_success.txt`, both done after every array is
+written; Orbax versions that write no marker record the commit time in
+`_CHECKPOINT_METADATA` (`commit_timestamp_nsecs`). Anything else is a save that did not
+finish, and is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+
+from ucp_jax import _errors
+
+TMP_SUFFIX = ".orbax-checkpoint-tmp"
+COMMIT_MARKER = "commit_success.txt"
+CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
+TREE_METADATA = "_METADATA"
+OCDBT_MANIFEST = "manifest.ocdbt"
+UCP_MANIFEST = "manifest.json"  # an item written by ucp_jax.orbax.UcpSave
+_ITEM_FILES = (TREE_METADATA, OCDBT_MANIFEST)
+_STEP = re.compile(r"^(?:.*_)?(\d+)(?:\.orbax-checkpoint-tmp.*)?$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+  """The pytree item a path names.
+
+  Attributes:
+    folder: the item folder (`_METADATA` and the arrays inside).
+    step: the `CheckpointManager` step it belongs to, None for a standalone save.
+    name: its item name in the step (`default`, `state`, ...), None for a standalone save.
+  """
+
+  folder: str
+  step: int | None = None
+  name: str | None = None
+
+
+def looks_like(path: str) -> bool:
+  """Whether `path` is an Orbax item, step or `CheckpointManager` folder (file names only)."""
+  if not os.path.isdir(path):
+    return False
+  if TMP_SUFFIX in os.path.basename(os.path.normpath(path)):
+    return True
+  names = set(os.listdir(path))
+  if names & {*_ITEM_FILES, CHECKPOINT_METADATA, COMMIT_MARKER}:
+    return True
+  return bool(_steps(path))
+
+
+def find(path: str) -> Item:
+  """The committed pytree item `path` names: an item folder, or a step folder with one item.
+
+  Raises:
+    CheckpointNotFoundError: a save that did not finish (no commit marker, a tmp name).
+    SourceFormatError: a `CheckpointManager` root (the message lists its steps), a step
+      folder with no pytree item or several, or an item written by ucp_jax itself.
+  """
+  path = os.path.abspath(path)
+  names = set(os.listdir(path))
+  parent = os.path.dirname(path)
+  if names & set(_ITEM_FILES):
+    in_step = CHECKPOINT_METADATA not in names and os.path.isfile(
+      os.path.join(parent, CHECKPOINT_METADATA)
+    )
+    if in_step:
+      _check_committed(parent)
+    _check_committed(path)
+    step = _step_number(parent) if in_step else None
+    return Item(path, step, os.path.basename(path) if in_step else None)
+  if CHECKPOINT_METADATA in names or TMP_SUFFIX in os.path.basename(path):
+    return _item_of_step(path)
+  steps = _steps(path)
+  if steps:
+    raise _errors.SourceFormatError(_root_message(path, steps))
+  raise _errors.SourceFormatError(
+    f"{path}: no {TREE_METADATA} or {OCDBT_MANIFEST}: not an Orbax checkpoint folder"
+  )
+
+
+def _item_of_step(step: str) -> Item:
+  _check_committed(step)
+  items = sorted(n for n in os.listdir(step) if os.path.isdir(os.path.join(step, n)))
+  trees = [n for n in items if set(os.listdir(os.path.join(step, n))) & set(_ITEM_FILES)]
+  ours = [n for n in items if os.path.isfile(os.path.join(step, n, UCP_MANIFEST))]
+  if len(trees) == 1:
+    folder = os.path.join(step, trees[0])
+    _check_committed(folder)
+    return Item(folder, _step_number(step), trees[0])
+  if trees:
+    shown = ", ".join(os.path.join(step, n) for n in trees)
+    raise _errors.SourceFormatError(
+      f"{step}: an Orbax step with {len(trees)} pytree items; pass one of them: {shown}"
+    )
+  if ours:
+    raise _errors.SourceFormatError(
+      f"{step}: its item {ours[0]!r} is a ucp_jax checkpoint (ucp_jax.orbax.UcpSave); "
+      f"open it directly: {os.path.join(step, ours[0])}"
+    )
+  raise _errors.SourceFormatError(
+    f"{step}: an Orbax step folder with no pytree item (no item folder holds {TREE_METADATA}); "
+    f"found: {', '.join(items) or 'no item folders'}"
+  )
+
+
+def _check_committed(folder: str) -> None:
+  """Raises for a folder whose save did not finish."""
+  why = _unfinished(folder)
+  if why is not None:
+    raise _errors.CheckpointNotFoundError(
+      f"{folder}: an Orbax save that did not finish ({why}); nothing of it is read"
+      + _committed_steps(os.path.dirname(folder))
+    )
+
+
+def _unfinished(folder: str) -> str | None:
+  """Why `folder` holds no committed save, or None when it does."""
+  if TMP_SUFFIX in os.path.basename(folder):
+    return f"its folder still has its temporary name, *{TMP_SUFFIX}*"
+  if os.path.isfile(os.path.join(folder, COMMIT_MARKER)):
+    return None
+  metadata_file = os.path.join(folder, CHECKPOINT_METADATA)
+  if not os.path.isfile(metadata_file):
+    return None  # an Orbax version that committed by the rename alone
+  try:
+    with open(metadata_file, "rb") as f:
+      metadata = json.loads(f.read())
+  except (OSError, ValueError) as e:
+    raise _errors.SourceFormatError(f"{metadata_file}: not readable JSON ({e})") from e
+  if not isinstance(metadata, dict) or metadata.get("commit_timestamp_nsecs") is None:
+    return f"no {COMMIT_MARKER}, and `commit_timestamp_nsecs` in {metadata_file} is not set"
+  return None
+
+
+def _step_number(folder: str) -> int | None:
+  match = _STEP.match(os.path.basename(folder))
+  return int(match.group(1)) if match else None
+
+
+def _steps(root: str) -> dict[str, bool]:
+  """The step folders of a `CheckpointManager` root: name -> committed."""
+  out = {}
+  for name in sorted(os.listdir(root)):
+    folder = os.path.join(root, name)
+    if not _STEP.match(name) or not os.path.isdir(folder):
+      continue
+    inside = set(os.listdir(folder))
+    if CHECKPOINT_METADATA in inside or COMMIT_MARKER in inside:
+      try:
+        out[name] = _unfinished(folder) is None
+      except _errors.UcpError:
+        out[name] = False
+  return out
+
+
+def _committed_steps(root: str) -> str:
+  steps = _steps(root) if os.path.isdir(root) else {}
+  done = sorted((n for n, ok in steps.items() if ok), key=lambda n: _step_number(n) or 0)
+  return f" (committed steps beside it: {', '.join(done)})" if done else ""
+
+
+def _root_message(root: str, steps: dict[str, bool]) -> str:
+  done = sorted((n for n, ok in steps.items() if ok), key=lambda n: _step_number(n) or 0)
+  left = sorted(n for n, ok in steps.items() if not ok)
+  unfinished = f"; not committed, so not read: {', '.join(left)}" if left else ""
+  if not done:
+    return f"{root}: an Orbax CheckpointManager folder with no committed step{unfinished}"
+  return (
+    f"{root}: an Orbax CheckpointManager folder with steps {', '.join(done)} (latest "
+    f"{done[-1]}){unfinished}; pass one step folder, e.g. {os.path.join(root, done[-1])}"
+  )

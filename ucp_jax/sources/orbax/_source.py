@@ -1,0 +1,169 @@
+"""Orbax as a source: a checkpoint of `ocp.StandardCheckpointer`, `PyTreeCheckpointHandler`
+or a `CheckpointManager` step, read in place through TensorStore (Orbax is not imported).
+
+Each leaf is opened as the zarr array Orbax wrote (zarr v2 or v3, zstd or raw, in an OCDBT
+database or a folder of its own) from the metadata alone; a restore through `ucp_jax.open`
+then reads each device's slice from it, and `convert` reads one array at a time. Keys are
+the leaves' pytree paths (NNX Variables looked through, `_tree_metadata`), with no prefix:
+`ucp_jax.restore(path, target)` takes the target `ocp.StandardCheckpointer().restore`
+would. docs/orbax.md has the layouts and what each bad input gets.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from ucp_jax import _errors
+from ucp_jax.sources._source_plan import Plan, Tensor
+from ucp_jax.sources.orbax import _folders, _train_state, _tree_metadata
+from ucp_jax.store._location import error_text
+
+NAME = "orbax"
+DESCRIPTION = (
+  "an Orbax checkpoint folder (_METADATA, _CHECKPOINT_METADATA, manifest.ocdbt, d/; from "
+  "ocp.StandardCheckpointer or PyTreeCheckpointHandler), a CheckpointManager step folder "
+  "holding one such item, or a CheckpointManager folder of numbered steps (which lists them)"
+)
+_CONTEXT = {
+  "cache_pool": {"total_bytes_limit": 0},  # array data: read once, never cached
+  "cache_pool#ocdbt": {"total_bytes_limit": 64 << 20},  # the OCDBT B-tree nodes
+  "file_io_concurrency": {"limit": 16},
+}
+"""Each `describe` opens its arrays in a context of its own: nothing cached by an earlier
+open of the same path (a checkpoint Orbax has replaced since) is seen."""
+_PY_TYPES = {"b": "bool", "i": "int", "u": "int", "f": "float", "c": "complex"}
+
+
+def sniff(path: str) -> bool:
+  """Whether `path` looks like an Orbax checkpoint, step or manager folder (names only)."""
+  return _folders.looks_like(path)
+
+
+def describe(path: str, *, hyperparams: dict | list[dict] | None = None) -> Plan:
+  """Every leaf of the checkpoint as a lazily read array, from the metadata only.
+
+  Args:
+    path: an Orbax item folder, a `CheckpointManager` step folder with one pytree item.
+    hyperparams: for a training state (docs/orbax.md), the optimizer's hyperparameters
+      (`{"lr": ..., "weight_decay": ...}`, or one dict per parameter group) for the
+      schema an export reads; default: those `optax.inject_hyperparams` stored, if any.
+
+  Raises:
+    CheckpointNotFoundError: a save that did not finish.
+    SourceFormatError: a manager folder (the message lists the steps), a missing OCDBT
+      manifest, metadata or array files that are missing or not Orbax's (all listed).
+  """
+  item = _folders.find(path)
+  meta = _tree_metadata.read(item.folder)
+  manifest = os.path.join(item.folder, _folders.OCDBT_MANIFEST)
+  if meta.use_ocdbt and not os.path.isfile(manifest):
+    first = f" (`{meta.leaves[0].key}`, ...)" if meta.leaves else ""
+    raise _errors.SourceFormatError(
+      f"{manifest}: missing: the OCDBT manifest that indexes all {len(meta.leaves)} arrays"
+      f"{first} of this checkpoint (`use_ocdbt` in {_folders.TREE_METADATA})"
+    )
+  tensors = _open_all(meta)
+  state = _train_state.infer(tensors, hyperparams)
+  step = item.step if item.step is not None else state.step
+  variables = [leaf.key for leaf in meta.leaves if leaf.variable]
+  source: dict[str, Any] = {
+    "framework": "orbax",
+    "format": NAME,
+    "ocdbt": meta.use_ocdbt,
+    "zarr": 3 if meta.use_zarr3 else 2,
+    "orbax_tree": {  # what an Orbax export needs to write the same tree (sinks._orbax)
+      "nnx_variables": "all" if len(variables) == len(meta.leaves) > 0 else variables,
+      "sequences": meta.sequences,
+      "empty": meta.empty,
+    },
+  }
+  if item.step is not None:
+    source["manager_step"] = {"step": item.step, "item": item.name}
+  if meta.not_read:
+    source["not_read"] = meta.not_read  # strings and other non-array leaves
+  return Plan(
+    params=[],
+    buffers={},
+    optimizer=(state.schema or {}).get("optimizer") or {},
+    extra={},
+    source=source,
+    step=step,
+    path=item.folder,
+    format=NAME,
+    arrays=tensors,
+    schema=state.schema,
+  )
+
+
+def _open_all(meta: _tree_metadata.TreeMetadata) -> dict[str, Tensor]:
+  """Opens every leaf's array (metadata reads only, all at once); lists every failure."""
+  context = ts.Context(_CONTEXT)
+  futures = [
+    (leaf, ts.open(_spec(meta, leaf.name), read=True, context=context)) for leaf in meta.leaves
+  ]
+  tensors: dict[str, Tensor] = {}
+  causes: dict[str, list[str]] = {}  # the innermost error -> each array's full message
+  for leaf, future in futures:
+    where = f"{meta.folder}/{leaf.name} (`{leaf.key}`)"
+    try:
+      store = future.result()
+    except ValueError as e:
+      text = error_text(e)
+      causes.setdefault(text.rsplit(": ", 1)[-1], []).append(f"{where}: {text}")
+      continue
+    tensors[leaf.key] = _tensor(leaf, store, where)
+  problems = [
+    lines[0] if len(lines) == 1 else f"{lines[0]} (and {len(lines) - 1} more arrays alike)"
+    for lines in causes.values()
+  ]
+  if len(problems) == 1:
+    raise _errors.SourceFormatError(problems[0])
+  if problems:
+    raise _errors.SourceFormatError(
+      f"{meta.folder}: {sum(map(len, causes.values()))} arrays cannot be opened:\n"
+      + _errors.bullet_list(problems)
+    )
+  return tensors
+
+
+def _spec(meta: _tree_metadata.TreeMetadata, name: str) -> dict:
+  """The TensorStore spec of the array `name`, as Orbax's `ArrayReadSpec` builds it."""
+  folder = meta.folder.rstrip("/") + "/"
+  if meta.use_ocdbt:
+    base = {"driver": "file", "path": folder}
+    kvstore = {
+      "driver": "ocdbt",
+      "base": base,
+      "path": name + "/",
+      "cache_pool": "cache_pool#ocdbt",
+    }
+  else:
+    kvstore = {"driver": "file", "path": f"{folder}{name}/"}
+  return {
+    "driver": "zarr3" if meta.use_zarr3 else "zarr",
+    "kvstore": kvstore,
+    "recheck_cached_data": False,
+    "recheck_cached_metadata": False,
+    "fill_missing_data_reads": meta.fill_missing,  # a lost chunk is an error, never zeros
+  }
+
+
+def _tensor(leaf: _tree_metadata.Leaf, store: ts.TensorStore, where: str) -> Tensor:
+  dtype = np.dtype(store.dtype.numpy_dtype)
+  info: dict[str, Any] = {}
+  if leaf.prng_impl is not None:
+    info = {"kind": "prng_key", "prng_impl": leaf.prng_impl}
+  elif leaf.value_type == "scalar" and dtype.kind in _PY_TYPES:
+    info = {"kind": "scalar", "python_type": _PY_TYPES[dtype.kind]}
+
+  def pieces() -> list[np.ndarray]:
+    try:
+      return [np.asarray(store.read().result()).reshape(-1)]
+    except ValueError as e:
+      raise _errors.SourceFormatError(f"{where}: cannot read: {error_text(e)}") from e
+
+  return Tensor(tuple(store.shape), dtype, pieces, where, store=store, info=info)
