@@ -20,6 +20,7 @@ SINKS = {
   "deepspeed": "ucp_jax.sinks._deepspeed",
   "hf": "ucp_jax.sinks._hf",
   "orbax": "ucp_jax.sinks._orbax",
+  "dcp": "ucp_jax.sinks._dcp",
 }
 """Format name -> the module that writes it (imported on first use)."""
 

@@ -20,6 +20,7 @@ SOURCES = {
   "deepspeed": "ucp_jax.sources.deepspeed._source",
   "orbax": "ucp_jax.sources.orbax._source",
   "hf": "ucp_jax.sources.hf._source",
+  "dcp": "ucp_jax.sources.dcp._source",
   "torch": "ucp_jax.sources.torch._source",
 }
 """Source name -> the module that reads it (imported on first use), in sniffing order."""

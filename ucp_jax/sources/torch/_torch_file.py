@@ -127,12 +127,14 @@ class _StorageType:
   dtype: TorchDtype | None
 
 
-def load(path: str | os.PathLike, *, mmap: bool = True) -> Any:
+def load(path: str | os.PathLike, *, mmap: bool = True, span: tuple[int, int] | None = None) -> Any:
   """Reads the object tree of a `torch.save` file, safely; see the module docstring.
 
   Args:
     path: the file.
     mmap: map tensor bytes from the file (no copy) rather than read them into memory.
+    span: `(offset, length)`: the torch file is these bytes of `path` (a DCP `.distcp` file
+      holds one per tensor chunk); messages name `path[offset:offset+length]`.
 
   Returns:
     The unpickled tree: dicts, lists, ..., read-only numpy arrays for tensors, `TorchDtype`,
@@ -145,12 +147,13 @@ def load(path: str | os.PathLike, *, mmap: bool = True) -> Any:
     OSError: the file cannot be opened or read.
   """
   path = os.fspath(path)
+  shown = path if span is None else f"{path}[{span[0]}:{span[0] + span[1]}]"
   with _torch_zip.open_regular(path) as f:
-    archive = _torch_zip.Archive(path, f, mmap)
+    archive = _torch_zip.Archive(shown, f, mmap, span)
     data = archive.read(archive.entry("data.pkl"), _pickle_limits.MAX_PICKLE_BYTES)
-    tensors = _Tensors(path, functools.partial(_storage, archive))
+    tensors = _Tensors(shown, functools.partial(_storage, archive))
     return _torch_pickle.loads(
-      data, source=path, extra_globals=tensors.globals(), persistent_load=tensors.persistent_load
+      data, source=shown, extra_globals=tensors.globals(), persistent_load=tensors.persistent_load
     )
 
 

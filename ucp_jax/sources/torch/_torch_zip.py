@@ -4,11 +4,13 @@ Only a regular file is opened (never a FIFO or a device, followed symlinks inclu
 blocking); zip entries must be stored or deflated, unencrypted, and lie inside the file; a
 deflated entry may not claim more than `MAX_DEFLATE_RATIO` times its compressed size, and one
 read into memory no more than its caller's limit (`MAX_INFLATED_BYTES` for storages). Each
-breach is a `SourceFormatError` naming the file and the entry.
+breach is a `SourceFormatError` naming the file and the entry. A torch file may also be a span
+of a larger file (`Archive`'s `span`: DCP's `.distcp` files hold one per tensor chunk).
 """
 
 from __future__ import annotations
 
+import io
 import mmap as mmap_lib
 import os
 import stat
@@ -103,10 +105,20 @@ def find_root(path: str, zf: zipfile.ZipFile) -> str:
 class Archive:
   """An open torch zip file: its entries, byte order and storage bytes."""
 
-  def __init__(self, path: str, f: BinaryIO, use_mmap: bool) -> None:
+  def __init__(
+    self, path: str, f: BinaryIO, use_mmap: bool, span: tuple[int, int] | None = None
+  ) -> None:
+    """Opens the torch file `f` (named `path` in messages), or the bytes `span` =
+    `(offset, length)` of it; entries and storages must lie inside those bytes."""
     self._path = path
-    self._size = os.fstat(f.fileno()).st_size
-    self._zip = open_zip(path, f)
+    file_size = os.fstat(f.fileno()).st_size
+    self._start, self._size = (0, file_size) if span is None else span
+    if self._start < 0 or self._size < 0 or self._start + self._size > file_size:
+      raise SourceFormatError(
+        f"{path}: bytes {self._start}..{self._start + self._size} lie outside the file "
+        f"({file_size} bytes)"
+      )
+    self._zip = open_zip(path, f if span is None else _Window(f, self._start, self._size))
     self._root = find_root(path, self._zip)
     self._map = mmap_lib.mmap(f.fileno(), 0, access=mmap_lib.ACCESS_READ) if use_mmap else None
     order = self.read(self.entry("byteorder"), _SMALL_ENTRY) if self.has("byteorder") else b"little"
@@ -178,12 +190,13 @@ class Archive:
     """The first `nbytes` of checked entry `info`: mapped if stored and mapping, else read."""
     if self._map is None or info.compress_type != zipfile.ZIP_STORED:
       return np.frombuffer(self.read(info, MAX_INFLATED_BYTES), np.uint8)
-    header = self._map[info.header_offset : info.header_offset + _LOCAL_HEADER.size]
+    at = self._start + info.header_offset
+    header = self._map[at : at + _LOCAL_HEADER.size]
     if len(header) < _LOCAL_HEADER.size or _LOCAL_HEADER.unpack(header)[0] != b"PK\x03\x04":
       raise SourceFormatError(f"{self._path}: entry {info.filename!r} has a corrupt zip header")
     _, name_len, extra_len = _LOCAL_HEADER.unpack(header)
-    start = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
-    if start + nbytes > len(self._map):
+    start = at + _LOCAL_HEADER.size + name_len + extra_len
+    if start + nbytes > self._start + self._size:
       raise SourceFormatError(
         f"{self._path}: storage {info.filename!r} runs past the end of the file"
       )
@@ -192,3 +205,34 @@ class Archive:
       empty.flags.writeable = False
       return empty
     return np.frombuffer(self._map, np.uint8, nbytes, start)
+
+
+class _Window(io.RawIOBase):
+  """Bytes `[start, start + size)` of an open file, read as a file of their own (for zipfile)."""
+
+  def __init__(self, f: BinaryIO, start: int, size: int) -> None:
+    super().__init__()
+    self._fd, self._start, self._size, self._pos = f.fileno(), start, size, 0
+
+  def readable(self) -> bool:
+    return True
+
+  def seekable(self) -> bool:
+    return True
+
+  def tell(self) -> int:
+    return self._pos
+
+  def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+    base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._size}[whence]
+    if base + offset < 0:
+      raise OSError(f"seek to {base + offset}, before the start")
+    self._pos = base + offset
+    return self._pos
+
+  def readinto(self, buffer) -> int:
+    n = max(0, min(len(buffer), self._size - self._pos))
+    data = os.pread(self._fd, n, self._start + self._pos) if n else b""
+    buffer[: len(data)] = data
+    self._pos += len(data)
+    return len(data)

@@ -1,0 +1,1 @@
+"""torch.distributed.checkpoint (DCP) folders as a source."""

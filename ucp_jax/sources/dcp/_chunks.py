@@ -1,0 +1,203 @@
+"""The chunks of DCP tensors, read lazily from the rank files with `pread`.
+
+Each chunk is a whole `torch.save` file inside a `.distcp` file (`_metadata`). When a chunk
+is first read, the safe reader opens that span (`torch._torch_file.load` with a `span`) and
+checks it: a tensor of the chunk's sizes and the declared dtype whose elements are one
+little-endian C-order run of the file (DCP saves compact clones). From then on the chunk is
+that run's byte offset: a region read takes from each chunk it meets only the bytes under it,
+one `pread` per contiguous run (the part's rows where it spans the trailing dimensions whole,
+else each row's span of columns), into the caller's buffer. Nothing stays mapped.
+
+`tensor(...)` gives a `Tensor` of the source plan whose `store` is a lazy TensorStore: each
+cell it reads (the chunks a converted checkpoint would have, split further to at most
+`CELL_BYTES`) reads the bytes under it, so a restore onto a JAX mesh reads the bytes under
+each device's slice (rounded to cells) and no others. `pieces` (for `convert`) is the whole
+array, read the same way into one buffer.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+import mmap
+import os
+import sys
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from ucp_jax._errors import SourceFormatError
+from ucp_jax.sources._source_plan import Tensor
+from ucp_jax.sources.dcp._metadata import Chunk, Stored, TensorEntry
+from ucp_jax.sources.torch import _torch_file
+from ucp_jax.store import _location, _regions, _zarr
+
+CELL_BYTES = 1 << 20
+"""The most a lazy read of a view asks of the chunks at once (a TensorStore cell)."""
+_MAX_READ = 1 << 30  # Linux reads at most ~2 GiB per call
+
+Region = _regions.Region
+
+
+class RankFiles:
+  """The rank files of one DCP folder; where each chunk's elements start, found once."""
+
+  def __init__(self, folder: str):
+    self.folder = folder
+    self._starts: dict[tuple[str, Chunk], int] = {}
+
+  def load(self, stored: Stored, what: str) -> Any:
+    """The object of one `torch.save` blob, read safely (tensors map the file meanwhile)."""
+    path = os.path.join(self.folder, stored.file)
+    try:
+      return _torch_file.load(path, span=(stored.offset, stored.length))
+    except SourceFormatError as e:
+      raise type(e)(f"{e} ({what})") from e
+    except OSError as e:
+      raise SourceFormatError(f"{path}: cannot read {what} ({e.strerror or e})") from e
+
+  def start(self, entry: TensorEntry, chunk: Chunk) -> int:
+    """The byte of its rank file where the chunk's elements start, checked once."""
+    found = self._starts.get((entry.key, chunk))
+    if found is None:
+      found = self._starts[(entry.key, chunk)] = self._locate(entry, chunk)
+    return found
+
+  def _locate(self, entry: TensorEntry, chunk: Chunk) -> int:
+    what = f"`{entry.key}` chunk at {chunk.offsets}"
+    data = self.load(chunk.stored, what)
+    shown = f"{os.path.join(self.folder, chunk.stored.file)}: {what}"
+    if not isinstance(data, np.ndarray):
+      raise SourceFormatError(f"{shown} holds a {type(data).__name__}, not a tensor")
+    if data.shape != chunk.sizes or data.dtype != entry.dtype:
+      raise SourceFormatError(
+        f"{shown} holds a {data.dtype} tensor of shape {data.shape}; the metadata says "
+        f"{entry.dtype} of sizes {chunk.sizes}"
+      )
+    origin = _mapped(data)
+    if origin is None or not data.flags.c_contiguous or sys.byteorder != "little":
+      raise SourceFormatError(
+        f"{shown} is not one little-endian C-order run of its file (a strided or big-endian "
+        "tensor, which dcp.save does not write)"
+      )
+    return data.__array_interface__["data"][0] - origin
+
+  def read(self, entry: TensorEntry, chunk: Chunk, part: Region, out: np.ndarray) -> None:
+    """Reads `part` (in the chunk's own coordinates) of a chunk into `out`, run by run."""
+    sizes = chunk.sizes
+    itemsize = np.dtype(entry.dtype).itemsize
+    strides = [math.prod(sizes[d + 1 :]) * itemsize for d in range(len(sizes))]
+    k = max(0, len(sizes) - 1)  # each run spans dimensions k.. (those after k whole)
+    while k > 0 and (part[k].start, part[k].stop) == (0, sizes[k]):
+      k -= 1
+    start = self.start(entry, chunk)
+    path = os.path.join(self.folder, chunk.stored.file)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+      for lead in itertools.product(*(range(s.start, s.stop) for s in part[:k])):
+        at = start + sum(i * s for i, s in zip(lead, strides))
+        at += part[k].start * strides[k] if sizes else 0
+        target = out[(*(i - s.start for i, s in zip(lead, part[:k])), Ellipsis)]
+        if target.flags.c_contiguous:
+          _pread(fd, path, at, target)
+        else:  # a cell's part narrower than the cell: read the run, then place it
+          run = np.empty(target.shape, target.dtype)
+          _pread(fd, path, at, run)
+          target[...] = run
+    finally:
+      os.close(fd)
+
+
+def _mapped(array: np.ndarray) -> int | None:
+  """The address where the map behind `array` starts, or None if it is not a map's view."""
+  base: Any = array
+  while isinstance(base, np.ndarray):
+    base = base.base
+  if isinstance(base, memoryview):
+    base = base.obj
+  if not isinstance(base, mmap.mmap) or base.closed or not len(base):
+    return None
+  return np.frombuffer(base, np.uint8, 1).__array_interface__["data"][0]
+
+
+def _pread(fd: int, path: str, at: int, out: np.ndarray) -> None:
+  """Fills the C-contiguous `out` from byte `at` of an open rank file: the one place chunk
+  elements are read."""
+  view = memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(bytearray())
+  done = 0
+  while done < view.nbytes:
+    got = os.preadv(fd, [view[done : done + _MAX_READ]], at + done)
+    if got == 0:
+      raise SourceFormatError(f"{path}: ends at byte {at + done}, inside a chunk")
+    done += got
+
+
+class _Reader:
+  """Region reads of one tensor from its chunks (those a region meets found by bisection)."""
+
+  def __init__(self, files: RankFiles, entry: TensorEntry):
+    self._files = files
+    self._entry = entry
+    live = sorted((c for c in entry.chunks if math.prod(c.sizes)), key=lambda c: c.offsets[:1])
+    self._chunks = live
+    self._starts = [c.offsets[0] if c.offsets else 0 for c in live]
+    ends = [c.offsets[0] + c.sizes[0] if c.offsets else 1 for c in live]
+    self._reach = list(itertools.accumulate(ends, max))  # the furthest row reached so far
+
+  def read(self, region: Region, out: np.ndarray | None = None) -> np.ndarray:
+    """`region` of the tensor (into `out`, if given), from the chunks under it only."""
+    entry = self._entry
+    if out is None:
+      out = np.empty(tuple(s.stop - s.start for s in region), entry.dtype)
+    if not out.size:
+      return out
+    first, last = (region[0].start, region[0].stop) if region else (0, 1)
+    i = bisect.bisect_left(self._starts, last)
+    for k in range(i - 1, -1, -1):
+      if self._reach[k] <= first:
+        break
+      chunk = self._chunks[k]
+      box = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
+      part = _regions.overlap(box, region) if region else ()
+      if part is None:
+        continue
+      local = tuple(slice(p.start - b.start, p.stop - b.start) for p, b in zip(part, box))
+      self._files.read(entry, chunk, local, out[_regions.relative(part, region)])
+    return out
+
+  def pieces(self) -> list[np.ndarray]:
+    """The whole array, read into one buffer (for `convert`)."""
+    return [self.read(_regions.full(self._entry.shape)).reshape(-1)]
+
+
+def tensor(files: RankFiles, entry: TensorEntry, where: str) -> Tensor:
+  """`entry` as a plan `Tensor`: lazy `pieces` and a lazy TensorStore (`store`)."""
+  reader = _Reader(files, entry)
+  itemsize = np.dtype(entry.dtype).itemsize
+  cells = _zarr.choose_chunks(entry.shape, shard_shape(entry), itemsize, CELL_BYTES)
+
+  def read(domain: ts.IndexDomain, out: np.ndarray, _params) -> None:
+    reader.read(tuple(slice(d.inclusive_min, d.exclusive_max) for d in domain), out)
+
+  layout = ts.ChunkLayout(read_chunk_shape=cells) if entry.shape else None
+  store = ts.virtual_chunked(
+    read,
+    dtype=ts.dtype(np.dtype(entry.dtype).name),
+    shape=entry.shape,
+    chunk_layout=layout,
+    context=_location.CONTEXT,
+  )
+  return Tensor(entry.shape, np.dtype(entry.dtype), reader.pieces, where, store=store)
+
+
+def shard_shape(entry: TensorEntry) -> tuple[int, ...]:
+  """The chunk grid's block shape, where the chunks form one (DTensor shards); else the shape."""
+  shape = entry.shape
+  if not shape or not entry.chunks:
+    return shape
+  block = tuple(max(c.sizes[d] for c in entry.chunks) for d in range(len(shape)))
+  if not all(b and o % b == 0 for c in entry.chunks for o, b in zip(c.offsets, block)):
+    return shape
+  return block
