@@ -134,3 +134,27 @@ def test_from_pretrained_loads_the_export(tmp_path, family):
   ids = torch.arange(12).reshape(2, 6) % 64
   with torch.no_grad():
     np.testing.assert_array_equal(loaded(ids).logits.numpy(), model(ids).logits.numpy())
+
+
+def test_any_option_of_a_format_from_the_command_line(converted, tmp_path, capsys):
+  pytest.importorskip("safetensors")
+  argv = ["export", converted, str(tmp_path / "hf"), "--format", "hf"]
+  assert _cli.main([*argv, "--option", "max_shard_size=1000", "--option", 'dtype="float16"']) == 0
+  capsys.readouterr()
+  assert sum(n.endswith(".safetensors") for n in os.listdir(tmp_path / "hf")) > 1
+  assert str(_tensors(tmp_path / "hf")["embed.weight"].dtype) == "float16"
+  assert _cli.main([*argv, "--option", "shards=2"]) == 2
+  assert "format 'hf' takes no shards" in capsys.readouterr().err
+  assert _cli.main([*argv, "--option", "nonsense"]) == 2
+  assert "expected KEY=VALUE" in capsys.readouterr().err
+  orbax = [
+    "export",
+    converted,
+    str(tmp_path / "o"),
+    "--format",
+    "orbax",
+    "--rules",
+    "gpt2:num_heads=2",
+  ]
+  assert _cli.main(orbax) == 2
+  assert "writes the checkpoint's own keys" in capsys.readouterr().err

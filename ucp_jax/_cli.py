@@ -125,7 +125,7 @@ def cmd_inspect(args, out: Console, err: Console) -> int:
   out.print(table)
   framework = m.source.get("framework", "?")
   if not ckpt.checksummed:
-    out.print(f"a {m.source['format']} checkpoint, read in place (`ucp convert` makes a copy)")
+    out.print(f"format: {m.source['format']}, read in place (`ucp convert` makes a copy)")
   else:
     out.print(f"source: {framework}; created {m.created}; format v{m.format_version}")
   return 0
@@ -157,7 +157,12 @@ def cmd_convert(args, out: Console, err: Console) -> int:
   _outlives_process(args.dst)
   with Reporter(err, "convert") as progress:
     report = _convert.convert(
-      args.src, args.dst, source=args.source, overwrite=args.overwrite, progress=progress.update
+      args.src,
+      args.dst,
+      source=args.source,
+      overwrite=args.overwrite,
+      progress=progress.update,
+      **_options(args.option),
     )
   out.print(
     f"{report.dst}: {report.params} params, {report.arrays} arrays, {_human(report.bytes)}, "
@@ -174,6 +179,7 @@ def cmd_export(args, out: Console, err: Console) -> int:
   rules = _rule_set(args.rules, args.checkpoint, args.config)
   names = ("zero_stage", "tag", "config", "max_shard_size", "dtype")
   options = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
+  options.update(_options(args.option))
   with Reporter(err, "export") as progress:
     report = _export.export(
       args.checkpoint,
@@ -228,6 +234,20 @@ def cmd_diff(args, out: Console, err: Console) -> int:
     out.print(table)
   out.print(report.verdict(), markup=False)
   return 0 if report.same_within_tolerance else 1
+
+
+def _options(items: list[str] | None) -> dict:
+  """`--option key=value` pairs: JSON values (true, 3, "x", {...}), else the text itself."""
+  options = {}
+  for item in items or []:
+    key, sep, value = item.partition("=")
+    if not sep or not key.isidentifier():
+      raise _errors.InvalidArgumentError(f"--option {item!r}: expected KEY=VALUE")
+    try:
+      options[key] = json.loads(value)
+    except ValueError:
+      options[key] = value
+  return options
 
 
 def _outlives_process(dst: str) -> None:
@@ -376,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
   from ucp_jax.sources import _registry as sources
 
   p = sub.add_parser("convert", help="a checkpoint of another format -> a universal checkpoint")
-  p.add_argument("src", help="a DeepSpeed folder (or another source's checkpoint)")
+  p.add_argument("src", help="a DeepSpeed, Hugging Face, torch, DCP or Orbax checkpoint")
   p.add_argument("dst", help="where the universal checkpoint goes")
   p.add_argument(
     "--from",
@@ -385,6 +405,12 @@ def build_parser() -> argparse.ArgumentParser:
     help="the source's format (default: found from its files)",
   )
   p.add_argument("--overwrite", action="store_true", help="replace a checkpoint at DST")
+  p.add_argument(
+    "--option",
+    action="append",
+    metavar="KEY=VALUE",
+    help="a source's own option (docs/sources.md), e.g. hyperparams='{\"lr\": 1e-3}'",
+  )
   from ucp_jax.sinks import _registry as sinks
 
   p = sub.add_parser("export", help="a checkpoint -> another framework's format")
@@ -398,6 +424,12 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--config", help="hf: the model's config.json (default: the one recorded)")
   p.add_argument("--max-shard-size", help="hf: bytes per safetensors file (default: 5GB)")
   p.add_argument("--dtype", help="hf: cast floating-point weights (bfloat16, float16, float32)")
+  p.add_argument(
+    "--option",
+    action="append",
+    metavar="KEY=VALUE",
+    help="any other option of the format (docs/export.md), e.g. ocdbt=false for orbax",
+  )
   p.add_argument("--overwrite", action="store_true", help="replace an export at DST")
   p.add_argument(
     "--rules",

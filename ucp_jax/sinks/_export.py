@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from ucp_jax import _errors
 from ucp_jax.sinks import _flax_names, _registry, _schema
 from ucp_jax.sinks._report import ExportReport
 from ucp_jax.store import _reader
@@ -73,6 +74,11 @@ def export(
   sink.check_options(dst, overwrite=overwrite, **options)  # before anything is read
   opened = ckpt if isinstance(ckpt, _reader.Checkpoint) else _reader.open(ckpt)
   naming = (opened.manifest.schema or {}).get("naming", "torch")
+  if rules is not None and not getattr(sink, "TORCH_NAMES", True):  # a sink of JAX keys (Orbax)
+    raise _errors.InvalidArgumentError(
+      f"format {format!r} writes the checkpoint's own keys; rules=... map them to torch names, "
+      "which it does not use: drop --rules"
+    )
   if rules is not None and naming != "torch":
     _schema.check_jax_only(opened)
     opened = _flax_names.torch_named(opened, rules)

@@ -38,6 +38,7 @@ from ucp_jax.sinks._report import ExportReport
 from ucp_jax.store import _keypath, _reader, _zarr
 
 NAME = "orbax"
+TORCH_NAMES = False  # writes the checkpoint's own keys: no rule set applies
 DESCRIPTION = "an Orbax checkpoint folder that ocp.StandardCheckpointer().restore reads"
 SCRATCH_MIN_BYTES = 1 << 20
 """Arrays at least this large reach Orbax through a memory-mapped scratch file."""
