@@ -12,7 +12,10 @@ run, each contender converts it in its own subprocess:
              as `main(parse_arguments())`, which is what its `__main__` does
 
 Both run as `python -c` snippets that time their imports (torch + deepspeed, or jax +
-ucp_jax) apart from the conversion. Reported per contender: wall time of the whole command
+ucp_jax) apart from the conversion. Both end with their output on disk (equal durability):
+ucp_jax fsyncs as it writes (`durable=True`, its default), and every file and directory of
+DeepSpeed's output is fsynced after `ds_to_universal` returns, inside the timed command
+(`--no-durable`: neither syncs). Reported per contender: wall time of the whole command
 (the best of `--repeat`), import and conversion seconds as the process measured them, and peak
 memory of the whole process tree, sampled every 10 ms from /proc: the sum of RSS and the sum of
 PSS (shared pages split between the processes that map them; DeepSpeed forks workers); for
@@ -193,22 +196,32 @@ def _warm(folder: str) -> None:
 
 
 _TIMED = (
-  "import json, sys, time; t0 = time.perf_counter(); {imports}; t1 = time.perf_counter(); "
+  "import json, os, sys, time\n"
+  "def _sync(top):  # every file and directory of the output on disk, as a durable save\n"
+  "  for d, _, names in os.walk(top):\n"
+  "    for n in [*names, '.']:\n"
+  "      fd = os.open(os.path.join(d, n), os.O_RDONLY); os.fsync(fd); os.close(fd)\n"
+  "t0 = time.perf_counter(); {imports}; t1 = time.perf_counter(); "
   "{call}; print('RESULT', json.dumps({{'import_s': t1 - t0, 'convert_s': "
   "time.perf_counter() - t1}}), flush=True)"
 )
+DURABLE = [True]  # --no-durable: neither contender syncs its output
 
 
 def _ucp_cmd(ckpt: str, out: str) -> list[str]:
-  code = _TIMED.format(imports="import ucp_jax", call=f"ucp_jax.convert({ckpt!r}, {out!r})")
+  call = f"ucp_jax.convert({ckpt!r}, {out!r}, durable={DURABLE[0]})"  # fsyncs as it writes
+  code = _TIMED.format(imports="import ucp_jax", call=call)
   return [sys.executable, "-c", code]
 
 
 def _ds_cmd(tag_dir: str, out: str) -> list[str]:
   # What `python -m deepspeed.checkpoint.ds_to_universal --input_folder ... --output_folder ...`
-  # runs (its __main__ is `main(parse_arguments())`), with the import timed apart.
+  # runs (its __main__ is `main(parse_arguments())`), with the import timed apart; then the
+  # output synced, since ds_to_universal does not, so both end with their output on disk.
   argv = ["ds_to_universal", "--input_folder", tag_dir, "--output_folder", out]
   call = f"sys.argv = {argv!r}; m.main(m.parse_arguments())"
+  if DURABLE[0]:
+    call += f"; _sync({out!r})"
   code = _TIMED.format(imports="from deepspeed.checkpoint import ds_to_universal as m", call=call)
   return [sys.executable, "-c", code]
 
@@ -244,8 +257,12 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--repeat", type=int, default=1, help="tries per contender; best is shown")
   parser.add_argument("--json", help="also write the results here")
   parser.add_argument("--no-check", action="store_true", help="skip the bit-for-bit comparison")
+  parser.add_argument(
+    "--no-durable", action="store_true", help="neither contender syncs its output to disk"
+  )
   parser.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
+  DURABLE[0] = not args.no_durable
   if args.rank_worker:
     _rank_worker(args.dir, args.dim, args.layers)
     return 0

@@ -18,6 +18,14 @@ rounds of `--repeat` tries:
                   safetensors library.
 (transformers 5 has no Flax models any more, so there is no `from_pretrained` into JAX to time.)
 
+With `--dcp` (the default), the same tensors are also saved by `torch.distributed.checkpoint`
+(one process, `dcp.save`), and:
+  dcp_ucp         ucp_jax.restore(dcp_dir, target, subtree="params"): each slice read in place.
+  dcp_load_put    dcp.load into preallocated torch tensors, then jax.device_put of each.
+  dcp_convert     ucp_jax.convert(dcp_dir, out): a universal checkpoint (durable).
+  dcp_torch_save  torch.distributed.checkpoint.format_utils.dcp_to_torch_save(dcp_dir, out.pt),
+                  then the file fsynced (equal durability).
+
 Every contender first runs once untimed (imports, thread pools, compile caches), and every try
 starts after an untimed `os.sync()`; the files were just written, so the page cache is warm for
 all (the same cache and compile state). Every result is checked: sharding as asked and a
@@ -48,6 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench_util as bu  # noqa: E402
 
 CONTENDERS = ("ucp", "load_put", "slices_put")
+DCP_CONTENDERS = ("dcp_ucp", "dcp_load_put", "dcp_convert", "dcp_torch_save")
 
 
 def _shape(size_mb: float, arrays: int) -> tuple[int, int]:
@@ -91,6 +100,20 @@ def write_folder(folder: str, size_mb: float, arrays: int, shard_mb: float, seed
   return {"crcs": crcs, "shape": list(shape), "bytes": total, "files": files}
 
 
+def write_dcp(folder: str, info: dict, seed: int) -> None:
+  """The same tensors, saved by torch.distributed.checkpoint from one process."""
+  import numpy as np
+  import torch
+  import torch.distributed.checkpoint as dcp
+
+  shape = tuple(info["shape"])
+  state = {
+    name: torch.from_numpy(np.random.default_rng(seed + i).random(shape, dtype=np.float32))
+    for i, name in enumerate(_names(len(info["crcs"])))
+  }
+  dcp.save(state, checkpoint_id=folder)
+
+
 def _shardings(names):
   import jax
   import numpy as np
@@ -131,13 +154,29 @@ def worker(args) -> int:
     index = json.load(f)["weight_map"]
   out = {"name": args.worker, "phases": {}, "errors": []}
 
-  if args.worker == "ucp":
+  dcp_dir = os.path.join(args.dir, "dcp")
+  if args.worker in ("ucp", "dcp_ucp"):
     import ucp_jax
 
     target = {n: jax.ShapeDtypeStruct(shape, "float32", sharding=s) for n, s in shardings.items()}
+    where = folder if args.worker == "ucp" else dcp_dir
 
     def run():
-      return ucp_jax.restore(folder, target, subtree="params")
+      return ucp_jax.restore(where, target, subtree="params")
+
+  elif args.worker == "dcp_load_put":
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    def run():
+      state = {n: torch.empty(shape, dtype=torch.float32) for n in names}
+      dcp.load(state, checkpoint_id=dcp_dir)
+      return jax.block_until_ready(
+        {n: jax.device_put(t.numpy(), shardings[n]) for n, t in state.items()}
+      )
+
+  elif args.worker in ("dcp_convert", "dcp_torch_save"):
+    return _convert_worker(args, dcp_dir, out)
 
   elif args.worker == "load_put":
     from safetensors.numpy import load_file
@@ -183,6 +222,34 @@ def worker(args) -> int:
   return 0
 
 
+def _convert_worker(args, dcp_dir: str, out: dict) -> int:
+  """Times a DCP folder -> one file or checkpoint, synced to disk; checks nothing is lost."""
+  target = os.path.join(args.dir, f"out_{args.worker}")
+
+  def run():
+    shutil.rmtree(target, ignore_errors=True)
+    if os.path.exists(target + ".pt"):
+      os.remove(target + ".pt")
+    if args.worker == "dcp_convert":
+      import ucp_jax
+
+      return ucp_jax.convert(dcp_dir, target).arrays
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(dcp_dir, target + ".pt")
+    fd = os.open(target + ".pt", os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+    return 1
+
+  run()  # untimed: imports and first use
+  stats, _ = bu.measure(run, repeat=args.repeat)
+  out["phases"]["restore"] = stats
+  print(f"  [{args.worker}] convert: {stats['seconds']:.3f} s")
+  bu.write_result(args.result_file, out)
+  return 0
+
+
 def _median(values):
   ordered = sorted(values)
   mid = len(ordered) // 2
@@ -201,6 +268,7 @@ def main(argv=None) -> int:
   ap.add_argument("--dir", default=None, help="working folder (a temp dir under /tmp)")
   ap.add_argument("--json", default=None)
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--no-dcp", dest="dcp", action="store_false", help="skip the DCP contenders")
   ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
   ap.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
@@ -214,10 +282,13 @@ def main(argv=None) -> int:
     )
     with open(os.path.join(args.dir, "info.json"), "w") as f:
       json.dump(info, f)
+    if args.dcp:
+      write_dcp(os.path.join(args.dir, "dcp"), info, args.seed)
     common = ["--dir", args.dir, "--repeat", str(args.repeat)]
     results: dict[str, dict] = {}
+    names = CONTENDERS + (DCP_CONTENDERS if args.dcp else ())
     for rnd in range(args.rounds):
-      for name in CONTENDERS:
+      for name in names:
         print(f"running {name} (round {rnd + 1} of {args.rounds}) ...", flush=True)
         run = bu.run_worker(os.path.abspath(__file__), name, common, env=dict(os.environ))
         kept = results.setdefault(name, {"tries": [], "peak_delta": 0, "errors": []})
@@ -259,15 +330,19 @@ def main(argv=None) -> int:
       align="lrrrrl",
     )
   )
-  ucp = _median(results["ucp"]["tries"]) if results.get("ucp", {}).get("tries") else None
   summary = {"bytes": nbytes, "results": results, "ratios": {}}
-  for peer in ("load_put", "slices_put"):
-    other = results.get(peer, {}).get("tries")
-    if ucp and other:
-      ratio = _median(other) / ucp
-      memory = results["ucp"]["peak_delta"] / max(1, results[peer]["peak_delta"])
-      summary["ratios"][peer] = {"speedup": ratio, "peak_ratio": memory}
-      print(f"ucp vs {peer}: {ratio:.2f}x faster (median), peak RSS {memory:.2f}x of theirs")
+  for mine, peer in (
+    ("ucp", "load_put"),
+    ("ucp", "slices_put"),
+    ("dcp_ucp", "dcp_load_put"),
+    ("dcp_convert", "dcp_torch_save"),
+  ):
+    ours, other = results.get(mine, {}).get("tries"), results.get(peer, {}).get("tries")
+    if ours and other:
+      ratio = _median(other) / _median(ours)
+      memory = results[mine]["peak_delta"] / max(1, results[peer]["peak_delta"])
+      summary["ratios"][f"{mine}/{peer}"] = {"speedup": ratio, "peak_ratio": memory}
+      print(f"{mine} vs {peer}: {ratio:.2f}x faster (median), peak RSS {memory:.2f}x of theirs")
   for name, r in results.items():
     for e in r["errors"]:
       print(f"ERROR {name}: {e}")
