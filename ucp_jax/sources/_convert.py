@@ -126,7 +126,7 @@ def convert(
     source=plan.source,
     schema=schema,
   )
-  _check_growth(plan.path, manifest.nbytes)
+  _check_growth(plan.path, manifest.nbytes, plan.max_growth or MAX_GROWTH)
   _write(target, jobs, manifest, overwrite=overwrite, progress=progress, durable=durable)
   return ConvertReport(
     src=plan.path,
@@ -140,8 +140,8 @@ def convert(
   )
 
 
-def _check_growth(folder: str, nbytes: int) -> None:
-  """Refuses to write more than `MAX_GROWTH` times the bytes of the source's files.
+def _check_growth(folder: str, nbytes: int, growth: float = MAX_GROWTH) -> None:
+  """Refuses to write more than `growth` times the bytes of the source's files.
 
   `folder` is what the source read: a folder (every file below it counts) or one file.
   """
@@ -154,9 +154,9 @@ def _check_growth(folder: str, nbytes: int) -> None:
       for name in names
       if os.path.isfile(os.path.join(root, name))
     )
-  if nbytes > MAX_GROWTH * read + GROWTH_SLACK:
+  if nbytes > growth * read + GROWTH_SLACK:
     raise SourceFormatError(
-      f"{folder}: its arrays would take {nbytes} bytes, more than {MAX_GROWTH} times the {read} "
+      f"{folder}: its arrays would take {nbytes} bytes, more than {growth:g} times the {read} "
       "bytes of its files (MAX_GROWTH): tensors that alias each other, as only a forged or "
       "corrupt checkpoint has"
     )

@@ -102,6 +102,9 @@ class Plan:
     arrays: arrays kept at their own keys, for a source that stores a pytree (Orbax: each
       leaf at its tree path); with no `params` and `buffers`, `schema` is the manifest's.
     schema: the manifest's schema for a plan of `arrays` alone (it names their keys), or None.
+    max_growth: how many times the bytes of its files the arrays may take (`convert` refuses
+      more: tensors aliasing each other, a decompression bomb); None for `MAX_GROWTH`.
+      Compressed sources set the bound of their codec.
   """
 
   params: list[Param]
@@ -114,6 +117,7 @@ class Plan:
   format: str = ""
   arrays: dict[str, Tensor] = dataclasses.field(default_factory=dict)
   schema: dict | None = None
+  max_growth: float | None = None
 
 
 def number(value: Any) -> int | float:

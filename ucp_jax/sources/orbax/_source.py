@@ -96,7 +96,14 @@ def describe(path: str, *, hyperparams: dict | list[dict] | None = None) -> Plan
     format=NAME,
     arrays=tensors,
     schema=state.schema,
+    # zstd turns a fresh optimizer's zeros into almost nothing: allow a codec's ratio, not 4x.
+    max_growth=MAX_COMPRESSION_RATIO,
   )
+
+
+MAX_COMPRESSION_RATIO = 1032.0
+"""How much larger than its files an Orbax checkpoint's arrays may be (deflate's limit, as the
+torch reader's zip bound: zstd of all-zero chunks reaches it, forged metadata goes past it)."""
 
 
 def _open_all(meta: _tree_metadata.TreeMetadata) -> dict[str, Tensor]:
