@@ -286,7 +286,9 @@ class _Checker:
     trainable, frozen, tied = [], [], {}
     for name, entry in params.items():
       if not valid_name(name):
-        self._problems.append(f"`{name}`: not usable as a DeepSpeed parameter directory name")
+        self._problems.append(
+          f"`{name}`: not usable as a parameter name (empty, `.`, `..` or a `/`)"
+        )
         continue
       if not isinstance(entry, dict):
         self._problems.append(f"`{name}`: expected a dict entry, got {entry!r}")
@@ -339,7 +341,7 @@ class _Checker:
     out = []
     for name, key in buffers.items():
       if not valid_name(name):
-        self._problems.append(f"buffer `{name}`: not usable as a DeepSpeed directory name")
+        self._problems.append(f"buffer `{name}`: not usable as a name (empty, `.`, `..` or a `/`)")
         continue
       found = self._array(f"buffer `{name}`", key)
       if found is not None:
