@@ -12,6 +12,8 @@ os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers models are built from configs here
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import jax
 import pytest
