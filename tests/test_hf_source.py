@@ -245,7 +245,7 @@ def test_ucp_inspect_reads_a_folder_in_place(tmp_path, capsys):
   before = sorted(os.listdir(tmp_path))
   assert _cli.main(["inspect", str(tmp_path)]) == 0
   out = capsys.readouterr().out
-  assert "params/model.norm.weight" in out and "a hf checkpoint, read in place" in out
+  assert "params/model.norm.weight" in out and "format: hf, read in place" in out
   assert _cli.main(["inspect", str(tmp_path), "--json"]) == 0
   data = json.loads(capsys.readouterr().out)
   assert data["source"]["architectures"] == ["LlamaForCausalLM"]

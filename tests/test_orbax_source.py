@@ -187,7 +187,7 @@ def test_checkpoint_manager_steps(tmp_path, state, mesh, capsys):
   assert f"{root}/2" in err
   assert _cli.main(["inspect", f"{root}/2"]) == 0
   out = capsys.readouterr().out
-  assert "model/l1/kernel" in out and "a orbax checkpoint, read in place" in out
+  assert "model/l1/kernel" in out and "format: orbax, read in place" in out
   assert ucp_jax.open(f"{root}/2").step == 2  # the step folder's number
   assert ucp_jax.open(f"{root}/2/default").step == 2
   S.assert_same(ucp_jax.restore(f"{root}/2", S.on_mesh(S.abstract(), mesh)), state)
