@@ -53,9 +53,7 @@ _STAGES = {
     setattr(_commit.shutil, "rmtree", die),
   ),
   # object stores: the old generation is removed after the manifest is written
-  "after-manifest": lambda: setattr(
-    _commit, "remove_other_generations", after_calls(2, _commit.remove_other_generations)
-  ),
+  "after-manifest": lambda: setattr(_commit, "remove_replaced", die),
 }
 
 

@@ -327,3 +327,73 @@ def test_ctrl_c_stops_a_wait_on_a_store():
     _, err = proc.communicate(timeout=30)
   assert proc.returncode == 130, err
   assert "Traceback" not in err
+
+
+# --- what a save may replace ---
+
+
+def test_a_save_checks_again_once_it_holds_the_lock(tmp_path, monkeypatch):
+  """Another save that commits between the first check and the lock is not overwritten."""
+  path = tmp_path / "ckpt"
+  real = _commit.Lock.acquire
+
+  def acquire(self):  # this save is preempted after its first check, before the lock
+    monkeypatch.setattr(_commit.Lock, "acquire", real)
+    ucp_jax.save(path, {"w": np.ones(2)}, step=1)
+    return real(self)
+
+  monkeypatch.setattr(_commit.Lock, "acquire", acquire)
+  with pytest.raises(ucp_jax.CheckpointExistsError, match="overwrite=True"):
+    ucp_jax.save(path, {"w": np.zeros(2)}, step=2)
+  assert ucp_jax.open(path).step == 1
+
+
+def test_a_checkpoint_left_by_a_cut_swap_needs_overwrite_too(tmp_path):
+  path = tmp_path / "ckpt"
+  ucp_jax.save(path, {"w": np.zeros(3)}, step=1)
+  ucp_jax.save(tmp_path / "new", {"w": np.ones(3)}, step=2)
+  staged = tmp_path / ".ckpt.ucp-tmp-00000000000000aa"
+  os.rename(path, f"{staged}.old")  # the fallback swap's first rename ...
+  os.rename(tmp_path / "new", staged)  # ... and not its second
+  assert ucp_jax.open(path).step == 2  # committed: read where it waits
+  with pytest.raises(ucp_jax.CheckpointExistsError, match="overwrite=True"):
+    ucp_jax.save(path, {"w": np.full(3, 7.0)}, step=3)
+  assert ucp_jax.open(path).step == 2 and sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_a_symlinked_path_is_refused(tmp_path):
+  ucp_jax.save(tmp_path / "step100", {"w": np.ones(2)}, step=100)
+  os.symlink(tmp_path / "step100", tmp_path / "latest")
+  with pytest.raises(ucp_jax.CheckpointExistsError, match="a symbolic link"):
+    ucp_jax.save(tmp_path / "latest", {"w": np.zeros(2)}, step=101, overwrite=True)
+  assert ucp_jax.open(tmp_path / "latest").step == 100  # reading through it is fine
+  assert sorted(os.listdir(tmp_path)) == ["latest", "step100"]
+
+
+def test_an_object_store_prefix_with_other_data_is_refused(tmp_path):
+  root = tmp_path / "bucket"
+  (root / "logs").mkdir(parents=True)
+  (root / "config.yaml").write_text("lr: 1")
+  (root / "logs" / "run.log").write_text("step 1")
+  spec = {"driver": "file", "path": str(root)}
+  for overwrite in (False, True):
+    with pytest.raises(ucp_jax.CheckpointExistsError, match=r"holds other data \(config\.yaml"):
+      ucp_jax.save(spec, {"w": np.ones(2)}, overwrite=overwrite)
+  assert sorted(os.listdir(root)) == ["config.yaml", "logs"]
+
+
+def test_an_object_store_overwrite_deletes_only_what_the_old_checkpoint_held():
+  outer, inner = "memory://ucp_test_nested", "memory://ucp_test_nested/best"
+  ucp_jax.save(outer, {"w": np.ones(2)}, step=1)
+  ucp_jax.save(inner, {"w": np.full(2, 5.0)}, step=9)  # a checkpoint below another's prefix
+  store = _location.kvstore(_location.resolve(outer))
+  store.write("notes.txt", b"mine").result()
+  ucp_jax.save(outer, {"w": np.zeros(2)}, step=2, overwrite=True)
+  assert ucp_jax.open(outer).step == 2 and ucp_jax.open(inner).step == 9
+  assert store.read("notes.txt").result().value == b"mine"
+  generations = {k.decode().split("/")[0] for k in store.list().result() if k.startswith(b"g")}
+  assert generations == {ucp_jax.open(outer).manifest.data.rstrip("/")}
+  ucp_jax.save("memory://ucp_test_parent/child", {"w": np.ones(1)})
+  with pytest.raises(ucp_jax.CheckpointExistsError, match=r"holds other data \(child/"):
+    ucp_jax.save("memory://ucp_test_parent", {"w": np.ones(1)})  # no checkpoint there: refused
+  assert ucp_jax.open("memory://ucp_test_parent/child").keys() == ["w"]

@@ -52,6 +52,11 @@ def check_writable(target: _location.Location, overwrite: bool) -> None:
   """Raises before any write if saving to `target` would lose something."""
   if target.local_dir is not None:
     path = target.local_dir
+    if os.path.islink(path):
+      raise _errors.CheckpointExistsError(
+        f"{path}: a symbolic link (to {os.readlink(path)}); save to the directory it names, or "
+        "remove the link first"
+      )
     if os.path.isfile(path):
       raise _errors.CheckpointExistsError(f"{path}: a file is in the way of the checkpoint")
     blocker = file_above(path)
@@ -70,10 +75,27 @@ def check_writable(target: _location.Location, overwrite: bool) -> None:
       )
     return
   store = _location.kvstore(target)
-  if not overwrite and store.read(_manifest.MANIFEST_KEY).result().state == "value":
+  if store.read(_manifest.MANIFEST_KEY).result().state == "value":
+    if not overwrite:
+      raise _errors.CheckpointExistsError(
+        f"{target}: a checkpoint exists already; pass overwrite=True to replace it"
+      )
+    return
+  foreign = [key for key in _keys(store) if not _ours(key)]
+  if foreign:
+    shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
     raise _errors.CheckpointExistsError(
-      f"{target}: a checkpoint exists already; pass overwrite=True to replace it"
+      f"{target}: holds other data ({shown}) and no ucp_jax checkpoint; refusing to write there"
     )
+
+
+def _keys(store) -> list[str]:
+  return sorted(raw.decode(errors="replace") for raw in store.list().result())
+
+
+def _ours(key: str) -> bool:
+  """Keys a save writes at an object-store root besides the manifest: lock, root group, data."""
+  return key in (_LOCK_KEY, "zarr.json") or bool(_GENERATION.match(key))
 
 
 def file_above(path: str) -> str | None:
@@ -183,45 +205,62 @@ def remove_stale_staging(target: _location.Location) -> None:
     shutil.rmtree(stale, ignore_errors=True)
 
 
-def remove_other_generations(target: _location.Location, live: str) -> None:
-  """On an object store: deletes the data of every generation but the live one.
+def live_manifest(target: _location.Location) -> _manifest.Manifest | bool | None:
+  """The committed manifest at an object-store `target`: None if there is none, False if it
+  cannot be read (then nothing of the checkpoint is known to be dead)."""
+  result = _location.kvstore(target).read(_manifest.MANIFEST_KEY).result()
+  if result.state != "value":
+    return None
+  try:
+    return _manifest.Manifest.from_bytes(result.value, str(target))
+  except _errors.ManifestError:
+    return False
 
-  `live` is the data prefix of the committed checkpoint ("" for a format version 1
-  checkpoint, whose arrays sit at the root). Generations of saves that died, older
-  generations, and version 1 arrays once a newer generation is live all go; the
-  manifest, the lock and the root group stay. The caller holds the lock.
+
+def remove_dead_generations(target: _location.Location, live: _manifest.Manifest | bool | None):
+  """On an object store: deletes the generations of saves that died (the caller holds the lock).
+
+  Only `gTOKEN/` prefixes other than the live checkpoint's go; nothing at all when the live
+  manifest cannot be read (`live` False), so a failed overwrite never costs the old data.
+  """
+  if target.local_dir is not None or live is False:
+    return
+  _delete_generations(target, keep=live.data if live else "")
+
+
+def remove_replaced(target: _location.Location, new: str, old: _manifest.Manifest | bool | None):
+  """After a commit on an object store: deletes what the replaced checkpoint held.
+
+  Every generation but `new`, and the arrays (and their groups) of a replaced format
+  version 1 checkpoint, which sit at the root. Nothing else below the root is touched.
   """
   if target.local_dir is not None:
     return
+  _delete_generations(target, keep=new)
+  if isinstance(old, _manifest.Manifest) and not old.data:
+    store = _location.kvstore(target)
+    groups = {"/".join(k.split("/")[:i]) for k in old.arrays for i in range(1, k.count("/") + 1)}
+    futures = [store.delete_range(_location.prefix_range(key + "/")) for key in old.arrays]
+    futures += [store.write(f"{group}/zarr.json", None) for group in groups]
+    for f in futures:
+      f.result()
+
+
+def _delete_generations(target: _location.Location, keep: str) -> None:
   store = _location.kvstore(target)
-  doomed = set()
-  for raw in store.list().result():
-    key = raw.decode()
-    match = _GENERATION.match(key)
-    if match:
-      if match.group(0) != live:
-        doomed.add(match.group(0))
-    elif live and key not in (_manifest.MANIFEST_KEY, _LOCK_KEY, "zarr.json"):
-      doomed.add(key)
-  futures = [
-    store.delete_range(_location.prefix_range(item))
-    if item.endswith("/")
-    else store.write(item, None)
-    for item in doomed
-  ]
+  listed = store.list(_generation_range()).result()
+  doomed = {m.group(0) for raw in listed for m in [_GENERATION.match(raw.decode())] if m}
+  doomed.discard(keep)
+  futures = [store.delete_range(_location.prefix_range(prefix)) for prefix in doomed]
   for f in futures:
     f.result()
 
 
-def live_generation(target: _location.Location) -> str:
-  """The data prefix the committed checkpoint at an object-store `target` uses ("" if none)."""
-  result = _location.kvstore(target).read(_manifest.MANIFEST_KEY).result()
-  if result.state != "value":
-    return ""
-  try:
-    return _manifest.Manifest.from_bytes(result.value, str(target)).data
-  except _errors.ManifestError:
-    return ""
+def _generation_range():
+  """The keys that may belong to generations (`g` followed by hex digits and a `/`)."""
+  import tensorstore as ts
+
+  return ts.KvStore.KeyRange("g", "h")
 
 
 def commit(

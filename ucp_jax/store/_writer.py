@@ -73,6 +73,7 @@ class Writer:
     self._tables: dict[str, _chunks.Table] = {}
     self._inflight: list[Any] = []  # direct chunk writes started, waited for before an abort
     self._data = ""  # the data prefix below the root (object stores)
+    self._replaced = None  # the manifest this save replaces on an object store (False: unreadable)
     self.staging: _location.Location | None = None
 
   def __enter__(self) -> Writer:
@@ -81,12 +82,15 @@ class Writer:
     if self._primary:  # the others learn the outcome from the broadcast below
       token = secrets.randbits(63)
       try:
-        _commit.check_writable(self.target, self._overwrite)
+        _commit.check_writable(self.target, self._overwrite)  # refused early, before the lock
         lock = _commit.Lock(self.target, token)
         lock.acquire()
         self._lock = lock
-        _commit.remove_stale_staging(self.target)
-        _commit.remove_other_generations(self.target, _commit.live_generation(self.target))
+        _commit.remove_stale_staging(self.target)  # completes a swap that died half way
+        _commit.check_writable(self.target, self._overwrite)  # the answer that holds: locked
+        if self.target.local_dir is None:
+          self._replaced = _commit.live_manifest(self.target)
+          _commit.remove_dead_generations(self.target, self._replaced)
         status[:] = (1, token)
       except Exception as e:  # reported to the other processes, then raised here
         error = _location.storage_error(e, self.target, "starting the save", _NOTHING_LOST)
@@ -252,7 +256,7 @@ class Writer:
       _fsync_dirs(_array_dirs(self.staging.local_dir, self._arrays))
     _commit.commit(self.staging, self.target, manifest.to_bytes(), durable=self._durable)
     if self._data:
-      _commit.remove_other_generations(self.target, self._data)
+      _commit.remove_replaced(self.target, self._data, self._replaced)
 
   def __exit__(self, exc_type, exc, tb) -> None:
     if exc_type is not None:
