@@ -97,3 +97,23 @@ def test_the_command_line(tmp_path, capsys):
   assert data["arrays"][0]["max_abs"] == 1.0 and data["verdict"].startswith("differ")
   assert _cli.main(["diff", a, str(tmp_path / "nope")]) == 2
   assert "nope" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+  ("x", "y", "verdict"),
+  [
+    (np.array([2**53], np.int64), np.array([2**53 + 1], np.int64), "differ"),
+    (np.array([2**64 - 1], np.uint64), np.array([2**64 - 2], np.uint64), "differ"),
+    (np.array([np.inf]), np.array([np.inf]), "identical"),
+    (np.array([1.0]), np.array([np.inf]), "differ"),
+    (np.array([1.0]), np.array([np.nan]), "differ"),
+    (np.array([np.nan]), np.array([1.0]), "differ"),
+    (np.array([complex(np.nan, 1)]), np.array([complex(1, np.nan)]), "differ"),
+    (np.array([-0.0]), np.array([0.0]), "equal within"),
+  ],
+)
+def test_verdicts_on_edge_values(tmp_path, x, y, verdict):
+  a, b = _save(tmp_path / "a", x=x), _save(tmp_path / "b", x=y)
+  for tolerance in ({}, {"atol": 0.5}):
+    got = ucp_jax.diff(a, b, **tolerance).verdict()
+    assert got.startswith(verdict), (tolerance, got)

@@ -165,9 +165,9 @@ def _record_preads(monkeypatch) -> list[tuple[int, int]]:
 
   reads, pread = [], _file_reads._pread
 
-  def recorded(path, start, out):
+  def recorded(path, start, out, identity=()):
     reads.append((start, out.nbytes))
-    return pread(path, start, out)
+    return pread(path, start, out, identity)
 
   monkeypatch.setattr(_file_reads, "_pread", recorded)
   return reads
@@ -260,10 +260,13 @@ def test_sniffing_finds_hf_for_folders_and_files(tmp_path):
   config_only = tmp_path / "cfg"
   config_only.mkdir()
   (config_only / "config.json").write_text("{}")
-  (config_only / "model.pt").write_bytes(b"")
-  assert _registry.sniff(config_only).NAME == "hf"
-  with pytest.raises(ucp_jax.SourceFormatError, match=r"found model.pt: read it with source='to"):
+  assert _registry.sniff(config_only).NAME == "hf"  # weakly: its error lists the weights
+  with pytest.raises(ucp_jax.SourceFormatError, match=r"a Hugging Face folder without weights"):
     ucp_jax.open(config_only)
+  (config_only / "model.pt").write_bytes(b"")
+  assert _registry.sniff(config_only).NAME == "torch"  # config.json beside one torch file
+  with pytest.raises(ucp_jax.SourceFormatError, match=r"found model.pt: read it with source='to"):
+    ucp_jax.open(config_only, source="hf")
 
 
 def test_the_tie_comes_from_the_config(tmp_path):
@@ -585,3 +588,17 @@ def test_a_single_file_converts_whatever_its_size(tmp_path, monkeypatch):
   monkeypatch.setattr(_convert, "GROWTH_SLACK", 0)  # as for a file larger than the slack
   save_file({"w": np.ones(1000, np.float32)}, tmp_path / "w.safetensors")
   assert ucp_jax.convert(tmp_path / "w.safetensors", tmp_path / "out").bytes == 4000
+
+
+def test_a_file_replaced_after_it_was_opened_is_refused(tmp_path, devices):
+  save_file({"a": np.ones(4, np.float32)}, tmp_path / "model.safetensors")
+  view = ucp_jax.open(tmp_path)
+  save_file({"b": np.ones(2, np.float32), "a": np.full(4, 7, np.float32)}, tmp_path / "x")
+  os.replace(tmp_path / "x", tmp_path / "model.safetensors")  # other bytes at other offsets
+  target = {
+    "a": jax.ShapeDtypeStruct(
+      (4,), np.float32, sharding=jax.sharding.SingleDeviceSharding(devices[0])
+    )
+  }
+  with pytest.raises(ucp_jax.SourceFormatError, match="changed since it was opened"):
+    ucp_jax.restore(view, target, subtree="params")

@@ -295,7 +295,10 @@ def test_sniffing_is_unambiguous(tmp_path):
   assert _registry.sniff(tmp_path / "a.pt").NAME == "torch"
   assert _registry.sniff(tmp_path).NAME == "torch"
   (tmp_path / "config.json").write_text(json.dumps({}))
-  assert _registry.sniff(tmp_path).NAME == "hf"
+  assert _registry.sniff(tmp_path).NAME == "torch"  # a config.json is not weights
+  os.rename(tmp_path / "a.pt", tmp_path / "pytorch_model.bin")
+  assert _registry.sniff(tmp_path).NAME == "hf"  # save_pretrained(safe_serialization=False)
+  os.rename(tmp_path / "pytorch_model.bin", tmp_path / "a.pt")
   os.remove(tmp_path / "config.json")
   torch.save({"w": torch.ones(1)}, tmp_path / "b.bin")
   assert _registry.sniff(tmp_path) is None
@@ -398,3 +401,24 @@ def test_one_jax_step_equals_one_torch_adamw_step(tmp_path, read):
       np.testing.assert_allclose(mu[name], state["exp_avg"].numpy(), rtol=1e-5, atol=1e-7)
       np.testing.assert_allclose(nu[name], state["exp_avg_sq"].numpy(), rtol=1e-5, atol=1e-9)
     assert int(adam.count[...]) == 4
+
+
+def test_a_folder_two_sources_recognize_goes_to_the_one_that_reads_it(tmp_path, capsys):
+  from safetensors.numpy import save_file
+
+  hf = tmp_path / "trainer_checkpoint"  # an HF Trainer folder whose global_stepN was pruned
+  hf.mkdir()
+  (hf / "config.json").write_text(json.dumps({"model_type": "llama"}))
+  save_file({"w": np.ones(3, np.float32)}, hf / "model.safetensors")
+  (hf / "latest").write_text("global_step500")
+  assert ucp_jax.open(hf).keys() == ["params/w"]
+  pt = tmp_path / "scripted"  # a config.json beside a torch file
+  pt.mkdir()
+  (pt / "config.json").write_text("{}")
+  torch.save({"w": torch.ones(2)}, pt / "model.pt")
+  assert ucp_jax.open(pt).keys() == ["params/w"]
+  assert ucp_jax.open(pt / "model.pt", source="torch").keys() == ["params/w"]
+  with pytest.raises(ucp_jax.SourceFormatError):
+    ucp_jax.open(pt, source="deepspeed")  # named, and not one: its error, no fallback
+  assert _cli.main(["inspect", str(pt), "--from", "torch"]) == 0
+  assert "params/w" in capsys.readouterr().out

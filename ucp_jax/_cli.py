@@ -87,14 +87,14 @@ class Reporter:
       )
 
 
-def _open(path: str) -> _reader.Checkpoint:
+def _open(path: str, source: str | None = None) -> _reader.Checkpoint:
   """Opens a ucp_jax checkpoint, or any other format a source recognizes (read-only)."""
-  return _reader.open(path)
+  return _reader.open(path, source=source)
 
 
 @_command
 def cmd_inspect(args, out: Console, err: Console) -> int:
-  ckpt = _open(args.checkpoint)
+  ckpt = _open(args.checkpoint, args.source)
   m = ckpt.manifest
   if args.json:
     data = {
@@ -391,6 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
   )
   p.add_argument("checkpoint")
   p.add_argument("--json", action="store_true", help="machine-readable output")
+  p.add_argument("--from", dest="source", help="read it as this format (deepspeed, hf, torch, ...)")
   p = sub.add_parser("verify", help="read every chunk, check checksums against the manifest")
   p.add_argument("checkpoint")
   from ucp_jax.sources import _registry as sources

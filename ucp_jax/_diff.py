@@ -30,7 +30,9 @@ class ArrayDiff:
     problem: a shape or dtype difference, or None.
     max_abs: the largest absolute difference of the values (0.0 when equal).
     max_rel: the largest relative difference, |a - b| / max(|a|, |b|) (0.0 when equal).
-    mismatched: how many elements differ beyond the tolerance.
+    mismatched: how many elements differ beyond the tolerance (NaN matches only NaN, an
+      infinity only the same infinity; integers compare exactly).
+    identical: the same dtype and the same bytes.
   """
 
   key: str
@@ -38,6 +40,7 @@ class ArrayDiff:
   max_abs: float
   max_rel: float
   mismatched: int
+  identical: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +67,8 @@ class DiffReport:
 
   @property
   def identical(self) -> bool:
-    """The same keys, shapes, dtypes and bytes (NaNs equal where both are NaN)."""
-    return self.same_within_tolerance and all(d.max_abs == 0 for d in self.arrays)
+    """The same keys, shapes, dtypes and bytes."""
+    return not (self.only_a or self.only_b) and all(d.identical for d in self.arrays)
 
   @property
   def same_within_tolerance(self) -> bool:
@@ -150,25 +153,49 @@ def diff(
 def _compare(ckpt_a, ckpt_b, key: str, atol: float, rtol: float) -> ArrayDiff:
   info_a, info_b = ckpt_a[key], ckpt_b[key]
   if tuple(info_a.shape) != tuple(info_b.shape):
-    return ArrayDiff(
-      key, f"shape {tuple(info_a.shape)} vs {tuple(info_b.shape)}", math.inf, math.inf, 0
-    )
-  problem = None if info_a.dtype == info_b.dtype else f"dtype {info_a.dtype} vs {info_b.dtype}"
+    shapes = f"shape {tuple(info_a.shape)} vs {tuple(info_b.shape)}"
+    return ArrayDiff(key, shapes, math.inf, math.inf, 0)
+  same_dtype = info_a.dtype == info_b.dtype
+  problem = None if same_dtype else f"dtype {info_a.dtype} vs {info_b.dtype}"
+  identical = same_dtype
   max_abs = max_rel = 0.0
   mismatched = 0
   for index in _blocks(info_a.shape, max(np.dtype(info_a.dtype).itemsize, 1)):
-    x = _as_number(ckpt_a.read(key, index))
-    y = _as_number(ckpt_b.read(key, index))
-    both_nan = np.isnan(x) & np.isnan(y)
-    delta = np.where(both_nan, 0.0, np.abs(x - y))
-    delta = np.where(np.isnan(delta), np.inf, delta)  # NaN on one side only
-    scale = np.maximum(np.abs(x), np.abs(y))
-    rel = np.where(delta == 0, 0.0, delta / np.where(scale == 0, 1.0, scale))
+    x, y = np.asarray(ckpt_a.read(key, index)), np.asarray(ckpt_b.read(key, index))
+    identical = identical and x.tobytes() == y.tobytes()
+    delta, scale = _deltas(x, y)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+      tolerance = atol + rtol * np.abs(_as_number(y))
+      within = (delta == 0) | (np.isfinite(delta) & (delta <= tolerance))
+      rel = np.where(delta == 0, 0.0, delta / np.where(scale == 0, 1.0, scale))
     if delta.size:
       max_abs = max(max_abs, float(delta.max()))
-      max_rel = max(max_rel, float(rel.max()))
-      mismatched += int(np.count_nonzero(delta > atol + rtol * np.abs(y)))
-  return ArrayDiff(key, problem, max_abs, max_rel, mismatched)
+      max_rel = max(max_rel, float(np.nan_to_num(rel, nan=math.inf).max()))
+      mismatched += int(np.count_nonzero(~within))
+  return ArrayDiff(key, problem, max_abs, max_rel, mismatched, identical)
+
+
+def _deltas(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """(|x - y| where the elements differ, else 0; max(|x|, |y|)) as float64.
+
+  Integers compare exactly (a difference float64 cannot show counts as at least 1); NaN
+  equals NaN (each part of a complex number on its own); anything else not equal, an
+  infinity against anything but itself included, differs by infinity.
+  """
+  xf, yf = _as_number(x), _as_number(y)
+  if x.dtype.kind in "biu" and y.dtype.kind in "biu":
+    equal = x == y
+    delta = np.where(equal, 0.0, np.maximum(np.abs(xf - yf), 1.0))
+  else:
+    equal = _same(xf.real, yf.real) & _same(np.imag(xf), np.imag(yf))
+    with np.errstate(invalid="ignore", over="ignore"):
+      delta = np.where(equal, 0.0, np.abs(xf - yf))
+    delta = np.where(np.isnan(delta), np.inf, delta)
+  return delta, np.maximum(np.abs(xf), np.abs(yf))
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+  return (a == b) | (np.isnan(a) & np.isnan(b))
 
 
 def _as_number(array: np.ndarray) -> np.ndarray:

@@ -25,8 +25,13 @@ Region = tuple[slice, ...]
 _MAX_READ = 1 << 30  # Linux reads at most ~2 GiB per call; stay well below
 
 
-def start_read(path: str, offset: int, shape: tuple[int, ...], dtype, regions: list[Region]):
+def start_read(
+  path: str, offset: int, shape: tuple[int, ...], dtype, regions: list[Region], identity=()
+):
   """Starts reading `regions` of the array at byte `offset` of `path` into aligned buffers.
+
+  `identity` (device, inode, size, mtime), when given, is the file's when its header was
+  checked: a file put at `path` since is refused rather than read.
 
   Returns the buffers and a function that waits for them to be filled.
   """
@@ -38,7 +43,7 @@ def start_read(path: str, offset: int, shape: tuple[int, ...], dtype, regions: l
   tasks = []
   for i, region in enumerate(regions):
     if _contiguous(region, shape):
-      tasks.append(_direct.submit(_read_run, path, offset, shape, dtype, region, outs[i]))
+      tasks.append(_direct.submit(_read_run, path, offset, shape, dtype, region, outs[i], identity))
     else:
       by_rows.setdefault((region[0].start, region[0].stop), []).append(i)
   for (start, stop), users in by_rows.items():
@@ -46,7 +51,7 @@ def start_read(path: str, offset: int, shape: tuple[int, ...], dtype, regions: l
     block = (slice(start, stop), *_columns(group, shape))
     tasks.append(
       _direct.submit(
-        _read_shared, path, offset, shape, dtype, block, group, [outs[i] for i in users]
+        _read_shared, path, offset, shape, dtype, block, group, [outs[i] for i in users], identity
       )
     )
 
@@ -71,31 +76,36 @@ def _columns(regions: list[Region], shape: tuple[int, ...]) -> tuple[slice, ...]
   return (slice(lo, hi), *(slice(0, n) for n in shape[2:]))
 
 
-def _read_run(path: str, offset: int, shape, dtype: np.dtype, region: Region, out: np.ndarray):
+def _read_run(path, offset, shape, dtype: np.dtype, region: Region, out: np.ndarray, identity=()):
   row = math.prod(shape[1:]) * dtype.itemsize
   start = offset + (region[0].start * row if shape else 0)
-  _pread(path, start, out)
+  _pread(path, start, out, identity)
 
 
-def _read_shared(path, offset, shape, dtype: np.dtype, block: Region, regions, outs) -> None:
+def _read_shared(path, offset, shape, dtype, block: Region, regions, outs, identity=()) -> None:
   """Reads `block` (rows, and a column span with whole trailing dims) once; copies out `regions`."""
   rows = np.empty(tuple(s.stop - s.start for s in block), dtype)
   if _contiguous(block, shape):
-    _read_run(path, offset, shape, dtype, block, rows)
+    _read_run(path, offset, shape, dtype, block, rows, identity)
   else:  # each row's span of columns is one run
     row = math.prod(shape[1:]) * dtype.itemsize
     first = block[1].start * math.prod(shape[2:]) * dtype.itemsize
     for i in range(rows.shape[0]):
-      _pread(path, offset + (block[0].start + i) * row + first, rows[i])
+      _pread(path, offset + (block[0].start + i) * row + first, rows[i], identity)
   origin = tuple(s.start for s in block)
   for region, out in zip(regions, outs):
     out[...] = rows[tuple(slice(s.start - o, s.stop - o) for s, o in zip(region, origin))]
 
 
-def _pread(path: str, start: int, out: np.ndarray) -> None:
+def _pread(path: str, start: int, out: np.ndarray, identity=()) -> None:
   view = memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(bytearray())
   fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
   try:
+    st = os.fstat(fd)
+    if identity and (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != tuple(identity):
+      raise SourceFormatError(
+        f"{path}: changed since it was opened (replaced or rewritten); open it again"
+      )
     done = 0
     while done < view.nbytes:
       got = os.preadv(fd, [view[done : done + _MAX_READ]], start + done)

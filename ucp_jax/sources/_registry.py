@@ -1,7 +1,7 @@
 """The sources ucp_jax reads, found by name or by sniffing a path.
 
-A source is a module with `NAME`, `DESCRIPTION`, `sniff(path) -> bool` (from file names
-alone, nothing read) and `describe(path, **options) -> Plan` (the parameters, slots,
+A source is a module with `NAME`, `DESCRIPTION`, `sniff(path) -> bool` (from file names,
+at most a small pointer file read) and `describe(path, **options) -> Plan` (the parameters, slots,
 buffers and groups, from metadata only; the arrays stay on disk as lazy `Tensor`s).
 `ucp_jax.open`, `restore`, `convert` and `ucp inspect` find the source of a path here;
 adding a format is adding a module and a line below.
@@ -33,10 +33,13 @@ class Source(Protocol):
   DESCRIPTION: str
 
   def sniff(self, path: str) -> bool:
-    """Whether `path` looks like this source's (file names only)."""
+    """Whether `path` looks like this source's (file names, at most a small pointer file read)."""
 
   def describe(self, path: str, **options) -> Plan:
     """Everything but the array data, which `Plan`'s tensors read lazily."""
+
+  # Optional: `sniff_weak(path) -> bool`, a path this source should explain when no source
+  # recognizes it (a DeepSpeed pointer to a missing tag folder: the error names the tag).
 
 
 def get(name: str) -> Source:
@@ -54,13 +57,16 @@ def get(name: str) -> Source:
 
 
 def sniff(path: str | os.PathLike) -> Source | None:
-  """The first source that recognizes `path`, or None."""
+  """The first source that recognizes `path`, else the first that weakly does, or None."""
   text = os.fspath(path) if not isinstance(path, dict) else ""
   if not text or "://" in text or not os.path.exists(text):
     return None
-  for name in SOURCES:
-    source = get(name)
+  sources = [get(name) for name in SOURCES]
+  for source in sources:
     if source.sniff(text):
+      return source
+  for source in sources:
+    if getattr(source, "sniff_weak", None) and source.sniff_weak(text):
       return source
   return None
 

@@ -34,9 +34,10 @@ class Tensor:
     pieces: returns 1-D arrays whose concatenation, in order, is the array in C order
       (memory-mapped views where possible; may load a file on demand).
     where: the source file and key, for messages.
-    file: `(path, byte offset)` when the array's bytes are one C-order, little-endian run
-      in a file (a safetensors tensor): a checkpoint view then reads each device's slice
-      with `pread` straight into the buffer the device adopts, nothing mapped.
+    file: `(path, byte offset, identity)` when the array's bytes are one C-order,
+      little-endian run in a file (a safetensors tensor): a checkpoint view then reads each
+      device's slice with `pread` straight into the buffer the device adopts, nothing mapped,
+      from the same file whose header was checked (`identity`: device, inode, size, mtime).
     store: the array as an opened TensorStore, for a source whose files TensorStore reads
       (Orbax): a checkpoint view reads each slice from it, nothing whole (`pieces` still
       reads the whole array, for `convert`).
@@ -48,7 +49,7 @@ class Tensor:
   dtype: np.dtype
   pieces: Pieces
   where: str
-  file: tuple[str, int] | None = None
+  file: tuple[str, int, tuple] | None = None
   store: Any = None
   info: dict = dataclasses.field(default_factory=dict)
 

@@ -60,8 +60,8 @@ class SourceCheckpoint(_reader.Checkpoint):
 
   def start_read(self, key: str, regions: list):
     tensor = self._tensors[key]
-    path, offset = tensor.file
-    return _file_reads.start_read(path, offset, tensor.shape, tensor.dtype, regions)
+    path, offset, identity = tensor.file
+    return _file_reads.start_read(path, offset, tensor.shape, tensor.dtype, regions, identity)
 
   def array(self, key: str) -> np.ndarray:
     """`key` as a numpy array: a memory map where it is one piece of a file."""
@@ -110,12 +110,12 @@ def _read_through(array: np.ndarray) -> None:
     np.array(flat[start : start + step])
 
 
-def open_source(path) -> SourceCheckpoint | None:
-  """The source view of `path` if a source recognizes it, else None (`_reader.open`'s hook)."""
+def open_source(path, source: str | None = None) -> SourceCheckpoint | None:
+  """The source view of `path` if a source recognizes it (or `source`, by name), else None
+  (`_reader.open`'s hook)."""
   if isinstance(path, dict):
     return None
   text = os.fspath(path)
-  source = _registry.sniff(text)
-  if source is None:
+  if source is None and _registry.sniff(text) is None:
     return None
-  return SourceCheckpoint(text, source.describe(text))
+  return SourceCheckpoint(text, _registry.describe(text, source))

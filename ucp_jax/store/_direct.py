@@ -86,7 +86,7 @@ def _write_chunk(path: str, index, block: np.ndarray, chunks, record, durable: b
     _makedirs(os.path.dirname(path))
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     try:
-      os.writev(fd, [raw, struct.pack("<I", crc)])
+      _write_all(fd, [raw, struct.pack("<I", crc)])
       if durable:
         os.fsync(fd)
     finally:
@@ -94,6 +94,31 @@ def _write_chunk(path: str, index, block: np.ndarray, chunks, record, durable: b
   except OSError as e:
     raise OSError(e.errno, e.strerror, e.filename or path) from e
   record(index, crc)
+
+
+def _write_all(fd: int, parts: list) -> None:
+  """`os.writev` until every byte is written (one call writes at most ~2 GiB on Linux)."""
+  views = [memoryview(p).cast("B") for p in parts]
+  while views:
+    written = os.writev(fd, views)
+    while written and views:
+      if written >= views[0].nbytes:
+        written -= views[0].nbytes
+        views.pop(0)
+      else:
+        views[0], written = views[0][written:], 0
+    views = [v for v in views if v.nbytes]
+
+
+def _read_all(f, buffer: memoryview) -> int:
+  """`readinto` until `buffer` is full or the file ends (one call reads at most ~2 GiB)."""
+  got = 0
+  while got < buffer.nbytes:
+    n = f.readinto(buffer[got:])
+    if not n:
+      break
+    got += n
+  return got
 
 
 def _makedirs(path: str) -> None:
@@ -209,7 +234,7 @@ def read_chunk_into(files: ArrayFiles, index: tuple[int, ...], out: np.ndarray) 
   raw = memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(bytearray())
   try:
     with open(path, "rb", buffering=0) as f:
-      got = f.readinto(raw) if out.size else 0
+      got = _read_all(f, raw) if out.size else 0
       tail = f.read(5)
   except FileNotFoundError:
     raise _errors.CorruptCheckpointError(f"{shown}: `{files.key}`: chunk file missing") from None

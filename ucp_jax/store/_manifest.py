@@ -150,6 +150,12 @@ class Manifest:
       )
     if version >= 2:
       _check_seal(data, where)
+    elif "checksum" in data or any(
+      isinstance(v, dict) and "chunk_crc32c" in v for v in (data.get("arrays") or {}).values()
+    ):
+      raise _errors.ManifestError(
+        f"{where}: a version 2 manifest marked version 1 (edited to skip its checksums)"
+      )
     if not isinstance(data.get("arrays"), dict):
       raise _errors.ManifestError(f'{where}: malformed manifest: no "arrays" object')
     _check_keys(data["arrays"], data.get("tree"), where)
@@ -277,10 +283,27 @@ def read(location: _location.Location, *, staged: bool = False) -> Manifest:
       f"{where}: not a checkpoint but the staging directory of a save to {target} "
       "(still running, or it died before committing; the next save there removes it)"
     )
-  result = _location.kvstore(location).read(MANIFEST_KEY).result()
+  store = _location.kvstore(location)
+  result = store.read(MANIFEST_KEY).result()
   if result.state != "value":
     raise _errors.CheckpointNotFoundError(_why_missing(location))
-  return Manifest.from_bytes(result.value, f"{where}/{MANIFEST_KEY}")
+  manifest = Manifest.from_bytes(result.value, f"{where}/{MANIFEST_KEY}")
+  if manifest.format_version < 2 and _root_version(store) >= 2:
+    raise _errors.ManifestError(
+      f"{where}/{MANIFEST_KEY}: version {manifest.format_version} in a checkpoint whose "
+      "zarr.json says version 2 or later (edited to skip its checksums)"
+    )
+  return manifest
+
+
+def _root_version(store) -> int:
+  """The format version the root group's attributes record (0 when they record none)."""
+  result = store.read("zarr.json").result()
+  try:
+    version = json.loads(result.value)["attributes"]["ucp_jax"]["format_version"]
+  except (ValueError, KeyError, TypeError):
+    return 0
+  return version if isinstance(version, int) else 0
 
 
 def _why_missing(location: _location.Location) -> str:

@@ -8,6 +8,9 @@ opened with the manifest, so an overwrite during the read cannot mix two saves.
 
 from __future__ import annotations
 
+import builtins
+import dataclasses
+import json
 import os
 from collections.abc import Callable
 from typing import Any
@@ -84,9 +87,21 @@ class Checkpoint:
     info = self[key]
     if self.data.local_dir is None or not _direct.ENABLED or info.compression is not None:
       return None
+    if self.manifest.format_version < 2 and not self._raw_v1(key):
+      return None  # version 1 manifests did not record compression: zarr.json says
     return _direct.ArrayFiles(
       self.data.io_path(key), os.path.join(self.data.local_dir, key), key, info, self.data.pin
     )
+
+  def _raw_v1(self, key: str) -> bool:
+    """Whether a version 1 array's chunks are stored raw (its zarr.json has no codec but
+    `bytes` and `crc32c`); anything unreadable counts as not raw (TensorStore then says)."""
+    try:
+      with builtins.open(os.path.join(self.data.io_path(key), "zarr.json"), "rb") as f:
+        codecs = json.load(f).get("codecs") or []
+      return {c.get("name") for c in codecs} <= {"bytes", "crc32c"}
+    except (OSError, ValueError, AttributeError):
+      return False
 
   def reads_directly(self, key: str) -> bool:
     """Whether `start_read` reads `key` without TensorStore (its chunk files, on a local disk)."""
@@ -104,9 +119,17 @@ class Checkpoint:
     return _direct.start_read(files, regions)
 
   def replaced(self) -> bool:
-    """Whether another save has replaced the checkpoint at this path since it was opened."""
+    """Whether another save has replaced the checkpoint at this path since it was opened.
+
+    The manifest is read again where the checkpoint was opened from (the same kvstore spec;
+    for a checkpoint read where an interrupted swap left it, that directory), not through
+    the pinned directory, which still shows the old one.
+    """
+    origin = getattr(self, "origin", None) or dataclasses.replace(
+      self.location, io_dir=None, pin=None
+    )
     try:
-      now = _manifest.read(_location.resolve(str(self.location)))
+      now = _manifest.read(origin, staged=origin.local_dir != self.location.local_dir)
     except _errors.UcpError:
       return True
     return now.to_bytes() != self.manifest.to_bytes()
@@ -153,21 +176,25 @@ def if_replaced(ckpt: Checkpoint, error: _errors.CorruptCheckpointError) -> Exce
   return error
 
 
-_OPENERS: list[Callable[[Any], Checkpoint | None]] = []
+_OPENERS: list[Callable[..., Checkpoint | None]] = []
 
 
-def register_opener(opener: Callable[[Any], Checkpoint | None]) -> None:
-  """Adds a way to open what is not a ucp_jax checkpoint (the sources register theirs)."""
+def register_opener(opener: Callable[..., Checkpoint | None]) -> None:
+  """Adds a way to open what is not a ucp_jax checkpoint (the sources register theirs).
+
+  `opener(path, source=None)` returns a read-only view, or None when it does not read `path`.
+  """
   if opener not in _OPENERS:
     _OPENERS.append(opener)
 
 
-def open(path: str | os.PathLike | Checkpoint) -> Checkpoint:
+def open(path: str | os.PathLike | Checkpoint, *, source: str | None = None) -> Checkpoint:
   """Opens a checkpoint read-only: a committed ucp_jax checkpoint, or another format's.
 
   A path that holds no ucp_jax checkpoint is offered to the registered openers: a
   DeepSpeed folder, for instance, opens as a read-only view of the arrays `convert`
-  would write.
+  would write. `source` names the format to read it as (`"torch"`, `"hf"`, ...) when
+  its files are ambiguous.
 
   Raises:
     CheckpointNotFoundError: no committed checkpoint at `path`, and no source recognizes it.
@@ -176,6 +203,12 @@ def open(path: str | os.PathLike | Checkpoint) -> Checkpoint:
   """
   if isinstance(path, Checkpoint):  # already open (or a mapped view of one)
     return path
+  if source is not None:
+    for opener in _OPENERS:
+      view = opener(path, source)
+      if view is not None:
+        return view
+    raise _errors.InvalidArgumentError(f"source={source!r}: no reader of that name is loaded")
   try:
     return _open_committed(path)
   except _errors.CheckpointNotFoundError:
@@ -193,7 +226,9 @@ def _open_committed(path: str | os.PathLike) -> Checkpoint:
     if staged is not None:  # committed, the rename into place cut short: read it where it is
       pinned = _location.pin(location, staged)
       location = pinned if pinned.io_dir is not None else _location.resolve(staged)
-      return Checkpoint(location, _manifest.read(location, staged=True))
+      ckpt = Checkpoint(location, _manifest.read(location, staged=True))
+      ckpt.origin = _location.resolve(staged)
+      return ckpt
   location = _location.pin(location)
   return Checkpoint(location, _manifest.read(location))
 
@@ -211,7 +246,14 @@ def _checked_store(ckpt: Checkpoint, key: str) -> ts.Future:
     return _ready(_virtual(info, lambda index, out: _read_file_chunk(files, index, out)))
   opened = _zarr.open_array(ckpt.data, key)
   where = f"{ckpt.data}/{key}"
-  return _then(opened, lambda stored: _virtual(info, _ZarrChunks(stored, where, key, info, ckpt)))
+
+  def build(stored: ts.TensorStore) -> ts.TensorStore:
+    problem = _zarr.metadata_problem(stored, info)
+    if problem:  # TensorStore would decode by the unsealed zarr.json: never trust it alone
+      raise _errors.CorruptCheckpointError(f"{where}: `{key}`: {problem}")
+    return _virtual(info, _ZarrChunks(stored, where, key, info, ckpt))
+
+  return _then(opened, build)
 
 
 def _virtual(info: _manifest.ArrayInfo, read_chunk) -> ts.TensorStore:

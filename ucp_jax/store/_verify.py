@@ -44,16 +44,9 @@ def verify(ckpt: Checkpoint, on_array: Callable[[str, int], None] | None = None)
 def _check_array(ckpt: Checkpoint, kvstore, key: str) -> str | None:
   info = ckpt[key]
   stored = _zarr.wait_open(ckpt.location, key, _zarr.open_array(ckpt.data, key))
-  chunks = tuple(stored.chunk_layout.read_chunk.shape or ())
-  if (tuple(stored.shape), stored.dtype.numpy_dtype, chunks) != (
-    info.shape,
-    np.dtype(info.dtype),
-    info.chunks,
-  ):
-    return (
-      f"zarr metadata says {tuple(stored.shape)} {stored.dtype.numpy_dtype} in chunks "
-      f"{chunks}, the manifest {info.shape} {info.dtype} in chunks {info.chunks}"
-    )
+  problem = _zarr.metadata_problem(stored, info)
+  if problem:
+    return problem
   store = ckpt.tensorstore(key)
   chunks = info.chunks
   if info.shape:

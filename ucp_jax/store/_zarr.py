@@ -151,6 +151,22 @@ def open_array(location: Location, key: str, durable: bool = True) -> ts.Future:
   )
 
 
+def metadata_problem(stored: ts.TensorStore, info) -> str | None:
+  """How a stored array's zarr metadata disagrees with its manifest entry (None: it agrees).
+
+  The manifest is sealed and `zarr.json` is not: TensorStore decodes by `zarr.json`, so a
+  read through it must first check that it describes what the manifest says.
+  """
+  chunks = tuple(stored.chunk_layout.read_chunk.shape or ())
+  found = (tuple(stored.shape), stored.dtype.numpy_dtype, chunks)
+  if found == (tuple(info.shape), np.dtype(info.dtype), tuple(info.chunks)):
+    return None
+  return (
+    f"zarr metadata says {found[0]} {found[1]} in chunks {chunks}, the manifest "
+    f"{info.shape} {info.dtype} in chunks {info.chunks}"
+  )
+
+
 def read_region(location: Location, key: str, view: ts.TensorStore) -> np.ndarray:
   return wait_read(location, key, view.read())
 

@@ -26,12 +26,29 @@ _POINTERS = ("latest", "latest_universal")
 
 
 def sniff(path: str) -> bool:
-  """Whether `path` looks like a DeepSpeed checkpoint (file names only, nothing read)."""
+  """Whether `path` is a DeepSpeed tag or universal folder, or holds a `latest` or
+  `latest_universal` pointer naming one (a stray pointer, say in a Hugging Face Trainer
+  folder whose `global_stepN` was pruned, does not make a folder DeepSpeed's)."""
   if not os.path.isdir(path):
     return False
   if _folder_kind(path) is not None:
     return True
-  return any(os.path.lexists(os.path.join(path, p)) for p in _POINTERS)
+  for pointer in _POINTERS:
+    file = os.path.join(path, pointer)
+    if os.path.isfile(file):
+      try:
+        folder = os.path.join(path, _common.read_tag(file))
+      except SourceFormatError:
+        continue
+      if os.path.isdir(folder) and _folder_kind(folder) is not None:
+        return True
+  return False
+
+
+def sniff_weak(path: str) -> bool:
+  """A folder holding a `latest` or `latest_universal` pointer: DeepSpeed's, if no source
+  recognizes it, so that `detect` says what is wrong with the pointer or its tag folder."""
+  return os.path.isdir(path) and any(os.path.lexists(os.path.join(path, p)) for p in _POINTERS)
 
 
 def describe(path: str, *, patterns: Sequence = ()) -> Plan:

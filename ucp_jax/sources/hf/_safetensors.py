@@ -90,6 +90,7 @@ class SafetensorsFile:
   tensors: dict[str, TensorInfo]
   metadata: dict[str, str]
   mapped: mmap.mmap | None = dataclasses.field(default=None, repr=False, compare=False)
+  identity: tuple = ()  # (device, inode, size, mtime) of the file whose header was checked
 
   def array(self, name: str) -> np.ndarray:
     """The tensor `name` as a read-only memory map of its bytes (none read until used)."""
@@ -122,7 +123,8 @@ def read_header(path: str) -> SafetensorsFile:
   except FileNotFoundError:
     raise SourceFormatError(f"{path}: no such file") from None
   with f:
-    size = os.fstat(f.fileno()).st_size
+    st = os.fstat(f.fileno())
+    size, identity = st.st_size, file_identity(st)
     head = f.read(8)
     if len(head) < 8:
       raise SourceFormatError(f"{path}: not a safetensors file ({size} bytes, no header)")
@@ -156,7 +158,13 @@ def read_header(path: str) -> SafetensorsFile:
       )
   fail(path, "a damaged or forged safetensors header", problems)
   ordered = dict(sorted(tensors.items(), key=lambda kv: kv[1].begin))
-  return SafetensorsFile(path, ordered, {str(k): str(v) for k, v in metadata.items()}, mapped)
+  metadata = {str(k): str(v) for k, v in metadata.items()}
+  return SafetensorsFile(path, ordered, metadata, mapped, identity)
+
+
+def file_identity(st: os.stat_result) -> tuple:
+  """What tells a file from another put at its path since: device, inode, size, mtime."""
+  return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _json(raw: bytes, path: str, what: str) -> tuple[object, list[str]]:

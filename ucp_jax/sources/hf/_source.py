@@ -52,13 +52,23 @@ _HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 
 
 def sniff(path: str) -> bool:
-  """A folder with config.json, *.safetensors or an index; a .safetensors file or index."""
+  """A folder with *.safetensors, an index, or config.json with pytorch_model.bin; a
+  .safetensors file or index.
+
+  A `config.json` beside other weights (a `model.pt`) is not enough: that folder is torch's.
+  """
   if os.path.isdir(path):
-    return any(
-      n == "config.json" or n == BIN_INDEX or n.endswith((".safetensors", st.INDEX_SUFFIX))
-      for n in os.listdir(path)
+    names = set(os.listdir(path))
+    return {"config.json", "pytorch_model.bin"} <= names or any(
+      n == BIN_INDEX or n.endswith((".safetensors", st.INDEX_SUFFIX)) for n in names
     )
   return path.endswith((".safetensors", st.INDEX_SUFFIX, BIN_INDEX))
+
+
+def sniff_weak(path: str) -> bool:
+  """A folder with config.json and no weights another source reads: Hugging Face's, whose
+  error lists the weights it looked for."""
+  return os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
 
 
 def describe(path: str, *, tied: dict[str, str] | None = None) -> Plan:
@@ -145,7 +155,7 @@ def _tensors(weights: str) -> tuple[dict[str, Tensor], list[str], dict, dict[str
   for f in files:
     for name, info in f.tensors.items():
       tensors[name] = Tensor(
-        info.shape, info.dtype, _mapped(f, name), info.where, file=(f.path, info.begin)
+        info.shape, info.dtype, _mapped(f, name), info.where, file=(f.path, info.begin, f.identity)
       )
   metadata = {os.path.basename(f.path): f.metadata for f in files if f.metadata}
   return tensors, [f.path for f in files], metadata, {}
