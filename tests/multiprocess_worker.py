@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ucp_jax
+from ucp_jax.store import _writer
 from ucp_jax.tree import _save
 
 STEP = 7
@@ -223,7 +224,42 @@ def reshard_live(workdir: str) -> dict:
   return {"checked": checked, "host_refused": refused}
 
 
+def replicated_values() -> dict:
+  """Arrays that both processes hold whole (or whole along one mesh axis)."""
+  return {
+    "rep_big": np.arange(64 * 256, dtype=np.float32).reshape(64, 256),  # 8 chunks of 8 KiB
+    "half_rep": np.arange(256 * 64, dtype=np.float32).reshape(256, 64) / 7,  # 4 shards x 2 chunks
+    "tiny": np.arange(10, dtype=np.int32),  # one chunk: one process writes it
+  }
+
+
+def save_replicated(workdir: str) -> dict:
+  """Saves replicated arrays with save and save_async; reports the chunks each process wrote."""
+  _, grid = meshes()
+  data = replicated_values()
+  specs = {"rep_big": P(), "half_rep": P(None, "m"), "tiny": P()}
+  state = {k: global_array(v, NamedSharding(grid, specs[k])) for k, v in data.items()}
+  wrote: dict[str, dict] = {}
+  original = _writer.Writer.commit
+
+  def recording(self, manifest):
+    wrote[str(self.target).rstrip("/").rsplit("/", 1)[-1]] = {
+      key: table.entries()[0].tolist() for key, table in self._tables.items()
+    }
+    original(self, manifest)
+
+  _writer.Writer.commit = recording
+  try:
+    ucp_jax.save(os.path.join(workdir, "sync"), state, step=STEP, chunk_bytes=8 << 10)
+    handle = ucp_jax.save_async(os.path.join(workdir, "async"), state, chunk_bytes=8 << 10)
+    handle.result()
+  finally:
+    _writer.Writer.commit = original
+  return {"wrote": wrote}
+
+
 SCENARIOS = {
+  "save_replicated": save_replicated,
   "reshard_live": reshard_live,
   "save_slow_writer": save_slow_writer,
   "restore_grid": restore_grid,

@@ -153,6 +153,23 @@ def test_commit_waits_for_every_process(saved_2x4):
   assert _leftovers(workdir) == []
 
 
+def test_replicated_arrays_are_written_once_by_processes_in_turn(tmp_path):
+  results = run_workers("save_replicated", tmp_path)
+  data = worker.replicated_values()
+  for name in ("sync", "async"):
+    wrote = [r["wrote"][name] for r in results]
+    for key, value in data.items():
+      ckpt = ucp_jax.open(tmp_path / name)
+      np.testing.assert_array_equal(ckpt.read(key), value, err_msg=f"{name}/{key}")
+      mine, theirs = (set(w[key]) for w in wrote)
+      assert not mine & theirs, (name, key)
+      assert mine | theirs == set(range(ckpt[key].checksums.size))
+    # Replicated over both processes: each writes half of every replicated shard.
+    assert [len(w["rep_big"]) for w in wrote] == [4, 4]
+    assert [len(w["half_rep"]) for w in wrote] == [4, 4]
+    assert sorted(len(w["tiny"]) for w in wrote) == [0, 1]
+
+
 def test_save_1x8_restore_2x4(tmp_path, devices):
   ucp_jax.save(tmp_path / "ckpt", worker.state(), step=worker.STEP)
   results = run_workers("restore_grid", tmp_path)

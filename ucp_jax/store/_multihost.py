@@ -108,16 +108,22 @@ class Sync:
     if self._client is None:
       gathered = _allgather_bytes(data)  # every process takes part in the collective
       return gathered if is_primary() else []
+    # Each process posts its part, all meet at a barrier, and process 0 takes every part
+    # with one directory read: one round trip each, not one per process on process 0.
     key = f"{self._prefix}/{next(self._rounds)}/gather"
     if not is_primary():
       self._client.key_value_set_bytes(f"{key}/{process_index()}", data)
       self._mine.append(f"{key}/{process_index()}")
+    self._wait(what, self._client.wait_at_barrier, key)
+    if not is_primary():
       return []
-    others = [
-      self._wait(what, self._client.blocking_key_value_get_bytes, f"{key}/{i}")
-      for i in range(1, process_count())
-    ]
-    return [data, *others]
+    parts = {
+      int(k.rsplit("/", 1)[1]): v for k, v in self._client.key_value_dir_get_bytes(f"{key}/")
+    }
+    missing = sorted(set(range(1, process_count())) - set(parts))
+    if missing:
+      raise _errors.UcpError(f"{self._name}: {what}: nothing from processes {missing}")
+    return [data, *(parts[i] for i in range(1, process_count()))]
 
   def all_ok(self, ok: bool, what: str) -> bool:
     """True on every process iff `ok` was true on every process; also a barrier."""

@@ -43,8 +43,13 @@ def group_by_slice(
   sharding: jax.sharding.Sharding, shape: tuple[int, ...]
 ) -> list[tuple[Region, list[jax.Device]]]:
   """This process's devices of `sharding`, grouped by the region of the array each holds."""
+  return group_regions(sharding.addressable_devices_indices_map(shape), shape)
+
+
+def group_regions(index_map, shape: tuple[int, ...]) -> list[tuple[Region, list]]:
+  """Devices grouped by the region of the array each holds (`index_map`: device -> index)."""
   groups: dict[tuple, list] = {}
-  for device, index in sharding.addressable_devices_indices_map(shape).items():
+  for device, index in index_map.items():
     bounds = tuple((s.start, s.stop) for s in normalize(index, shape))
     groups.setdefault(bounds, []).append(device)
   return [(tuple(slice(*b) for b in bounds), devs) for bounds, devs in groups.items()]

@@ -25,6 +25,7 @@ from ucp_jax.store import (
   _manifest,
   _multihost,
   _regions,
+  _write_plan,
   _zarr,
 )
 
@@ -165,10 +166,10 @@ class Writer:
   def _write_shards(self, entries: list[Entry], max_host_bytes: int) -> None:
     pending: list[tuple[Any, int]] = []
     held = 0
-    for entry, index, data in owned_shards(entries, self._primary):
+    for entry, index, data, origin in owned_shards(entries, self._primary):
       nbytes = (
         0  # a CPU device's buffer is written in place: no host copy to bound
-        if _is_jax_array(data) and next(iter(data.devices())).platform == "cpu"
+        if _on_cpu_device(entry.value)
         else int(np.prod([s.stop - s.start for s in index], dtype=np.int64))
         * np.dtype(entry.info.dtype).itemsize
       )
@@ -176,8 +177,8 @@ class Writer:
         future, n = pending.pop(0)
         future.result()
         held -= n
-      host = np.asarray(data)
-      immutable = _is_jax_array(data) or entry.owned is not None  # never changes
+      host = slab(np.asarray(data), index, origin)
+      immutable = _is_jax_array(entry.value) or entry.owned is not None  # never changes
       pending.append((self._write(entry.key, host, index, immutable), nbytes))
       held += nbytes
     for future, _ in pending:
@@ -301,23 +302,50 @@ class _AllOf:
       f.result()
 
 
-def owned_shards(entries: list[Entry], primary: bool) -> Iterator[tuple[Entry, tuple, Any]]:
-  """(entry, index, data) for every shard this process must write, device copies started early."""
+def owned_shards(entries: list[Entry], primary: bool) -> Iterator[tuple[Entry, tuple, Any, tuple]]:
+  """(entry, region, data, data's region) for every region this process must write.
+
+  `data` holds `region` (a whole shard) or more (a replicated shard that several
+  processes share: `slab` cuts out the region). Device-to-host copies start early.
+  """
   jax_shards = []
   for entry in entries:
     if entry.owned is not None:
       for index, data in entry.owned:
-        yield entry, index, data
+        yield entry, index, data, index
     elif _is_jax_array(entry.value):
-      for shard in entry.value.addressable_shards:
-        if shard.replica_id == 0:
-          jax_shards.append((entry, _regions.normalize(shard.index, entry.info.shape), shard.data))
+      jax_shards += _jax_pieces(entry)
     elif primary:
       full = tuple(slice(0, d) for d in entry.info.shape)
-      yield entry, full, entry.value
-  for _, _, data in jax_shards:
+      yield entry, full, entry.value, full
+  for _, _, data, _ in jax_shards:
     data.copy_to_host_async()
   yield from jax_shards
+
+
+def slab(host: np.ndarray, region: tuple, origin: tuple) -> np.ndarray:
+  """The part of `host` (which holds `origin`) that `region` names; a view."""
+  return host if region == origin else host[_regions.relative(region, origin)]
+
+
+def _jax_pieces(entry: Entry) -> list[tuple[Entry, tuple, Any, tuple]]:
+  """(entry, region, shard data, shard region) for each slab of `entry` this process writes."""
+  value, shape = entry.value, entry.info.shape
+  if _multihost.process_count() == 1:  # the plan's answer, without computing it
+    return [
+      (entry, region, s.data, region)
+      for s in value.addressable_shards
+      if s.replica_id == 0
+      for region in [_regions.normalize(s.index, shape)]
+    ]
+  plan = _write_plan.of_sharding(
+    entry.key, value.sharding, shape, entry.info.chunks, _multihost.process_index()
+  )
+  pieces = []
+  for shard in value.addressable_shards:
+    origin = _regions.normalize(shard.index, shape)
+    pieces += [(entry, region, shard.data, origin) for region in plan.get(shard.device, ())]
+  return pieces
 
 
 def _checksum_entries(tables: dict[str, _chunks.Table]) -> bytes:
@@ -387,6 +415,10 @@ def _group_json(root: bool) -> bytes:
 
   attributes = {"ucp_jax": {"format_version": _manifest.FORMAT_VERSION}} if root else {}
   return json.dumps({"zarr_format": 3, "node_type": "group", "attributes": attributes}).encode()
+
+
+def _on_cpu_device(x: Any) -> bool:
+  return _is_jax_array(x) and next(iter(x.devices())).platform == "cpu"
 
 
 def _is_jax_array(x: Any) -> bool:

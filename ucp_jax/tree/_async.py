@@ -146,8 +146,8 @@ def _host_copies(entries: list[_writer.Entry]) -> list[_writer.Entry]:
   """The entries with host copies of the shards this process writes, and no device arrays."""
   owned: dict[str, list] = {e.key: [] for e in entries}
   # _owned_shards starts every device-to-host copy before the first one is waited for.
-  for entry, index, data in _writer.owned_shards(entries, _multihost.is_primary()):
-    owned[entry.key].append((index, _host_copy(data)))
+  for entry, index, data, origin in _writer.owned_shards(entries, _multihost.is_primary()):
+    owned[entry.key].append((index, _writer.slab(_host_copy(data), index, origin)))
   return [dataclasses.replace(e, value=None, owned=tuple(owned[e.key])) for e in entries]
 
 

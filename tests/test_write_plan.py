@@ -1,0 +1,122 @@
+"""Who writes what: every chunk exactly once, replicated shards shared among processes.
+
+The plan runs on meshes far larger than this machine through stand-in devices (an
+id and a process index are all a sharding's index map needs), and on the real 8 CPU
+devices, where with one process it must be exactly "replica 0 writes".
+"""
+
+import itertools
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ucp_jax.store import _chunks, _regions, _write_plan, _zarr
+
+
+class StandIn:
+  """A device of a simulated cluster."""
+
+  platform = "cpu"
+  device_kind = "simulated"
+
+  def __init__(self, id: int, per_process: int):
+    self.id = id
+    self.process_index = id // per_process
+
+  def __repr__(self):
+    return f"StandIn({self.id})"
+
+
+def simulated_mesh(shape, names, per_process=8) -> Mesh:
+  n = int(np.prod(shape))
+  return Mesh(np.array([StandIn(i, per_process) for i in range(n)]).reshape(shape), names)
+
+
+def plan_of_every_process(key, sharding, shape, chunks):
+  processes = {d.process_index for d in sharding.mesh.devices.flat}
+  return {p: _write_plan.of_sharding(key, sharding, shape, chunks, p) for p in processes}
+
+
+def chunk_owners(plans, shape, chunks) -> dict:
+  owners: dict[tuple, list] = {}
+  for process, by_device in plans.items():
+    for device, regions in by_device.items():
+      assert device.process_index == process
+      for region in regions:
+        for chunk in _chunks.chunks_in(region, chunks):
+          # A region holds whole chunks (or the array's edge): no chunk has two writers.
+          assert _chunks.chunk_region(chunk, chunks, shape) == _regions.overlap(
+            region, _chunks.chunk_region(chunk, chunks, shape)
+          ), (region, chunk)
+          owners.setdefault(chunk, []).append(process)
+  return owners
+
+
+CASES = [
+  # (mesh shape, axis names, array shape, partition spec)
+  ((8, 4, 2), ("data", "fsdp", "tensor"), (1024, 512), P("fsdp", "tensor")),
+  ((8, 4, 2), ("data", "fsdp", "tensor"), (1024, 512), P()),
+  ((8, 4, 2), ("data", "fsdp", "tensor"), (4096,), P("tensor")),
+  ((8, 4, 2), ("data", "fsdp", "tensor"), (), P()),
+  ((8, 4, 2), ("data", "fsdp", "tensor"), (0, 16), P()),
+  ((16, 8), ("data", "model"), (96, 40, 24), P(None, "model")),
+  ((16, 8), ("data", "model"), (7, 3), P()),
+]
+
+
+@pytest.mark.parametrize(("mesh_shape", "names", "shape", "spec"), CASES)
+def test_every_chunk_is_written_exactly_once(mesh_shape, names, shape, spec):
+  mesh = simulated_mesh(mesh_shape, names)
+  sharding = NamedSharding(mesh, spec)
+  chunks = _zarr.choose_chunks(shape, sharding.shard_shape(shape), 4, 4096)
+  owners = chunk_owners(plan_of_every_process("w", sharding, shape, chunks), shape, chunks)
+  assert sorted(owners) == sorted(itertools.product(*map(range, _chunks.grid(shape, chunks))))
+  assert all(len(o) == 1 for o in owners.values()), owners
+
+
+def test_replicated_shards_are_spread_over_the_processes_holding_them():
+  # 32 processes of 8 devices; tensor-parallel within a host, replicated over "data".
+  mesh = simulated_mesh((32, 8), ("data", "tensor"))
+  shape = (4096, 1024)
+  sharding = NamedSharding(mesh, P(None, "tensor"))
+  chunks = _zarr.choose_chunks(shape, sharding.shard_shape(shape), 4, 64 << 10)
+  owners = chunk_owners(plan_of_every_process("w", sharding, shape, chunks), shape, chunks)
+  per_process = np.bincount([o[0] for o in owners.values()], minlength=32)
+  # Each process holds a whole replica; replica 0 alone would have written everything.
+  assert per_process.min() == per_process.max() == len(owners) // 32
+
+
+def test_single_chunk_arrays_rotate_over_the_processes():
+  mesh = simulated_mesh((16, 8), ("data", "tensor"))
+  sharding = NamedSharding(mesh, P())
+  writers = []
+  for i in range(400):  # 400 replicated scalars, each a single chunk
+    plans = plan_of_every_process(f"layer_{i}/norm/scale", sharding, (64,), (64,))
+    writers += [p for p, by_device in plans.items() if by_device]
+  assert len(writers) == 400
+  counts = np.bincount(writers, minlength=16)
+  assert counts.min() >= 10, counts  # 25 each on average; no process is left out or flooded
+
+
+def test_one_process_writes_what_replica_zero_holds(devices):
+  mesh = Mesh(np.array(devices).reshape(2, 4), ("d", "m"))
+  for spec, shape in [(P(), (64, 8)), (P(None, "m"), (64, 8)), (P("d"), (64, 8))]:
+    x = jax.device_put(np.zeros(shape, np.float32), NamedSharding(mesh, spec))
+    chunks = _zarr.choose_chunks(shape, x.sharding.shard_shape(shape), 4, 256)
+    plan = _write_plan.of_sharding("k", x.sharding, shape, chunks, 0)
+    replica0 = {
+      s.device: [_regions.normalize(s.index, shape)]
+      for s in x.addressable_shards
+      if s.replica_id == 0
+    }
+    assert plan == replica0, spec
+
+
+def test_a_region_not_on_chunk_boundaries_is_never_cut():
+  region = (slice(3, 19), slice(0, 8))
+  assert _write_plan.split(region, (4, 8), (19, 8), 4) == (region,)
+  cut = _write_plan.split((slice(0, 19), slice(0, 8)), (4, 8), (19, 8), 2)
+  assert cut == ((slice(0, 8), slice(0, 8)), (slice(8, 19), slice(0, 8)))
