@@ -140,32 +140,35 @@ def _tree(pid: int) -> list[int]:
   return out
 
 
-def _memory(pid: int) -> tuple[int, int]:
-  rss = pss = 0
+def _memory(pid: int) -> tuple[int, int, int]:
+  """(RSS sum, PSS sum, largest RSS of one process) over the process tree of `pid`."""
+  rss = pss = largest = 0
   for p in _tree(pid):
+    one = 0
     try:
       with open(f"/proc/{p}/smaps_rollup") as f:
         for line in f:
           if line.startswith("Rss:"):
-            rss += int(line.split()[1]) * 1024
+            one = int(line.split()[1]) * 1024
           elif line.startswith("Pss:"):
             pss += int(line.split()[1]) * 1024
     except OSError:
       pass
-  return rss, pss
+    rss += one
+    largest = max(largest, one)
+  return rss, pss, largest
 
 
 def run(cmd: list[str], env: dict | None = None) -> dict:
   """Runs `cmd`; wall time, peak tree RSS/PSS (sampled), the child's own ru_maxrss, stdout."""
   t0 = time.perf_counter()
   proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-  peak = [0, 0]
+  peak = [0, 0, 0]
   done = threading.Event()
 
   def sample():
     while not done.is_set():
-      rss, pss = _memory(proc.pid)
-      peak[0], peak[1] = max(peak[0], rss), max(peak[1], pss)
+      peak[:] = map(max, peak, _memory(proc.pid))
       time.sleep(0.01)
 
   thread = threading.Thread(target=sample, daemon=True)
@@ -182,6 +185,7 @@ def run(cmd: list[str], env: dict | None = None) -> dict:
     "seconds": seconds,
     "tree_rss": peak[0],
     "tree_pss": peak[1],
+    "process_rss": peak[2],
     "ru_maxrss": usage.ru_maxrss * 1024,
     "output": output,
   }

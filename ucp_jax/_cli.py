@@ -152,24 +152,63 @@ def cmd_verify(args, out: Console, err: Console) -> int:
 
 @_command
 def cmd_convert(args, out: Console, err: Console) -> int:
+  from ucp_jax import _processes
   from ucp_jax.sources import _convert
 
   _outlives_process(args.dst)
-  with Reporter(err, "convert") as progress:
-    report = _convert.convert(
-      args.src,
-      args.dst,
-      source=args.source,
-      overwrite=args.overwrite,
-      progress=progress.update,
-      **_options(args.option),
-    )
+  helpers = None
+  if args.processes is not None:
+    if args.coordinator is not None or args.processes < 1:
+      raise _errors.UcpError("--processes N (N >= 1) starts a run here; --coordinator joins one")
+    if args.processes > 1:
+      args.coordinator = f"127.0.0.1:{_processes.free_port()}"
+      args.num_processes = args.processes
+      args.process_id = 0
+      helpers = _processes.Helpers(_convert_argv(args), args.processes)
+  if args.coordinator is not None:
+    if args.num_processes is None or args.process_id is None:
+      raise _errors.UcpError("--coordinator needs --num-processes and --process-id")
+    _processes.join(args.coordinator, args.num_processes, args.process_id)
+  try:
+    with Reporter(err, "convert") as progress:
+      report = _convert.convert(
+        args.src,
+        args.dst,
+        source=args.source,
+        overwrite=args.overwrite,
+        progress=progress.update,
+        **_options(args.option),
+      )
+  except KeyboardInterrupt:
+    if helpers is not None:
+      helpers.kill()
+    raise
+  finally:  # a failure reached every process (the save agrees on it): all leave together
+    if args.coordinator is not None and sys.exc_info()[0] is not KeyboardInterrupt:
+      _processes.leave()
+    failed = helpers.wait() if helpers is not None else []
+  if failed:
+    raise _errors.UcpError("conversion helpers failed:\n" + _errors.bullet_list(failed))
+  by = f" by {report.processes} processes" if report.processes > 1 else ""
   out.print(
     f"{report.dst}: {report.params} params, {report.arrays} arrays, {_human(report.bytes)}, "
-    f"step {report.step}, in {report.seconds:.2f} s (from {report.format} {report.src})",
+    f"step {report.step}, in {report.seconds:.2f} s{by} (from {report.format} {report.src})",
     markup=False,
   )
   return 0
+
+
+def _convert_argv(args) -> list[str]:
+  """The command line of a helper of `args`'s conversion (its --process-id added later)."""
+  argv = ["convert", args.src, args.dst]
+  argv += ["--coordinator", args.coordinator, "--num-processes", str(args.num_processes)]
+  if args.source:
+    argv += ["--from", args.source]
+  if args.overwrite:
+    argv.append("--overwrite")
+  for option in args.option or ():
+    argv += ["--option", option]
+  return argv
 
 
 @_command
@@ -412,6 +451,16 @@ def build_parser() -> argparse.ArgumentParser:
     metavar="KEY=VALUE",
     help="a source's own option (docs/sources.md), e.g. hyperparams='{\"lr\": 1e-3}'",
   )
+  p.add_argument(
+    "--processes", type=int, help="convert with N processes on this host (each a share)"
+  )
+  p.add_argument(
+    "--coordinator",
+    metavar="HOST:PORT",
+    help="join a conversion across hosts: process 0's address (as jax.distributed)",
+  )
+  p.add_argument("--num-processes", type=int, help="with --coordinator: processes in all")
+  p.add_argument("--process-id", type=int, help="with --coordinator: this process's number")
   from ucp_jax.sinks import _registry as sinks
 
   p = sub.add_parser("export", help="a checkpoint -> another framework's format")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import heapq
 import os
 import time
 from collections.abc import Callable
@@ -20,7 +21,7 @@ from ucp_jax import _errors
 from ucp_jax._errors import SourceFormatError
 from ucp_jax.sources import _registry, _source_plan
 from ucp_jax.sources._source_plan import Tensor, release
-from ucp_jax.store import _keypath, _location
+from ucp_jax.store import _keypath, _location, _multihost
 from ucp_jax.store._manifest import ArrayInfo, Manifest
 from ucp_jax.store._writer import Writer
 
@@ -51,6 +52,7 @@ class ConvertReport:
     arrays: arrays written.
     bytes: bytes written (before chunk checksums).
     seconds: wall time of the conversion.
+    processes: how many processes converted it (each its share of the arrays).
   """
 
   src: str
@@ -61,6 +63,7 @@ class ConvertReport:
   arrays: int
   bytes: int
   seconds: float
+  processes: int = 1
 
 
 def convert(
@@ -82,6 +85,11 @@ def convert(
   and the manifest's schema names them with the param groups, steps and the source's state
   (docs/schema.md). `ucp_jax.open(src)` shows the same arrays without converting.
 
+  Called with the same arguments on every process of a `jax.distributed` run (hosts that
+  share the source and destination), the processes convert disjoint shares of the arrays,
+  about equal in bytes, and one commit covers them all (`ucp convert --processes N` runs N
+  such processes on one host).
+
   Example:
     >>> import ucp_jax
     >>> report = ucp_jax.convert("tests/fixtures/deepspeed/z2_bf16_dp3/ckpt",
@@ -98,7 +106,7 @@ def convert(
       recognizes `src`.
     overwrite: replace an existing checkpoint at `dst`, atomically.
     progress: called as `progress(key, nbytes, total_bytes)`: once with `("", 0, total)`
-      before writing, then after each array is written.
+      before writing, then after each array this process writes.
     durable: fsync before the commit (see `ucp_jax.save`).
     **options: the source's own options. DeepSpeed: `patterns`, for tensor-parallel
       sources, `(regex, pattern)` rules for parameters the checkpoint's
@@ -137,6 +145,7 @@ def convert(
     arrays=len(arrays),
     bytes=manifest.nbytes,
     seconds=time.perf_counter() - start,
+    processes=_multihost.process_count(),
   )
 
 
@@ -171,13 +180,16 @@ def _write(
   progress: Progress | None,
   durable: bool = True,
 ) -> None:
+  arrays = {key: info for key, (info, _) in jobs.items()}
+  mine = share(arrays, _multihost.process_count())[_multihost.process_index()]
+  jobs = {key: job for key, job in jobs.items() if key in mine}
   total = sum(info.nbytes for info, _ in jobs.values())
   largest = max((info.nbytes for info, _ in jobs.values()), default=0)
   budget = max(_MIN_IN_FLIGHT, 2 * largest)
   if progress is not None:
     progress("", 0, total)
   with Writer(target, overwrite=overwrite, durable=durable) as writer:
-    writer.create({key: info for key, (info, _) in jobs.items()}, compression=None)
+    writer.create(arrays, compression=None)
     pending: collections.deque = collections.deque()
     held = 0
 
@@ -202,3 +214,17 @@ def _write(
     while pending:
       finish_one()
     writer.commit(manifest)
+
+
+def share(arrays: dict[str, ArrayInfo], processes: int) -> list[set[str]]:
+  """The arrays each process converts: disjoint, about equal in bytes, the same on every process.
+
+  Largest first, each to the process with the fewest bytes so far (ties: the lowest).
+  """
+  loads = [(0, p) for p in range(processes)]
+  shares: list[set[str]] = [set() for _ in range(processes)]
+  for key in sorted(arrays, key=lambda k: (-arrays[k].nbytes, k)):
+    load, p = heapq.heappop(loads)
+    shares[p].add(key)
+    heapq.heappush(loads, (load + arrays[key].nbytes, p))
+  return shares
