@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -268,6 +269,43 @@ def test_a_durable_save_fsyncs_every_file_and_directory(tmp_path, monkeypatch, d
   assert len(files) == 6 and files <= synced, files - synced
   assert dirs <= synced, dirs - synced
   assert str(tmp_path) in synced  # the rename into place
+
+
+def test_folders_a_durable_save_creates_are_fsynced_into_their_parents(tmp_path, monkeypatch):
+  synced = []
+  real = _commit.fsync_dir
+
+  def fsync_dir(path):
+    synced.append(os.path.abspath(path))
+    real(path)
+
+  monkeypatch.setattr(_commit, "fsync_dir", fsync_dir)
+  ucp_jax.save(tmp_path / "runs" / "a" / "ckpt", {"w": np.ones(3)}, durable=False)
+  assert synced == []
+  ucp_jax.save(tmp_path / "new" / "b" / "ckpt", {"w": np.ones(3)})
+  for created in (tmp_path / "new", tmp_path / "new" / "b"):  # each in its parent, top down
+    assert str(created.parent) in synced
+  assert synced.index(str(tmp_path)) < synced.index(str(tmp_path / "new"))
+
+
+def test_a_failed_compressed_save_leaves_no_staging_behind(tmp_path, monkeypatch):
+  from ucp_jax.store import _writer
+
+  real = _writer.Writer._write
+  calls = []
+
+  def failing(self, key, host, index, immutable):
+    calls.append(key)
+    if len(calls) == 40:  # after 39 TensorStore writes were started, none awaited
+      raise OSError(28, "No space left on device (injected)")
+    return real(self, key, host, index, immutable)
+
+  monkeypatch.setattr(_writer.Writer, "_write", failing)
+  tree = {f"a{i}": np.full((256, 256), i, np.float32) for i in range(64)}
+  with pytest.raises(ucp_jax.StorageError, match="no space left on the device"):
+    ucp_jax.save(tmp_path / "ckpt", tree, compression="zstd")
+  time.sleep(0.2)  # a write still in flight would land now, recreating the staging folder
+  assert os.listdir(tmp_path) == []
 
 
 def test_direct_reads_and_writes_are_on():

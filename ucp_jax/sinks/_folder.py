@@ -90,9 +90,9 @@ def staged(dst: str, *, durable: bool = True) -> Iterator[str]:
   data is the writer's to sync).
   """
   parent, name = os.path.split(dst)
-  os.makedirs(parent, exist_ok=True)
+  _commit.make_dirs(parent, durable=durable)  # a folder created here survives a power loss
   staging = os.path.join(parent, f".{name}.ucp-export-{secrets.randbits(64):016x}")
-  lock = _commit.Lock(_location.resolve(dst), secrets.randbits(63))
+  lock = _commit.Lock(_location.resolve(dst), secrets.randbits(63), durable)
   lock.acquire()
   try:
     for stale in glob.glob(os.path.join(parent, f".{glob.escape(name)}.ucp-export-*")):

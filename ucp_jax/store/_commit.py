@@ -116,9 +116,10 @@ class Lock:
   taken over, any other must be deleted by hand (the error says which).
   """
 
-  def __init__(self, target: _location.Location, token: int):
+  def __init__(self, target: _location.Location, token: int, durable: bool = True):
     self._target = target
     self._token = token
+    self._durable = durable
     self._holder = json.dumps(
       {
         "host": socket.gethostname(),
@@ -139,7 +140,7 @@ class Lock:
     if self._path is None:
       self._acquire_kvstore()
       return
-    os.makedirs(os.path.dirname(self._path), exist_ok=True)
+    make_dirs(os.path.dirname(self._path), durable=self._durable)
     deadline = time.monotonic() + _EXIT_GRACE_S
     for _ in range(1000):
       fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -356,6 +357,23 @@ def exchange(a: str, b: str) -> bool:
   at_fdcwd, rename_exchange = -100, 2
   rc = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
   return rc == 0
+
+
+def make_dirs(path: str, durable: bool = True) -> None:
+  """`os.makedirs(path)`, each folder it creates fsynced into its parent (if `durable`).
+
+  A checkpoint committed into a folder that the save created must not lose that folder,
+  and the checkpoint with it, to a power loss: the commit fsyncs only the checkpoint's
+  own parent.
+  """
+  missing = []
+  folder = os.path.abspath(path)
+  while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
+    missing.append(folder)
+    folder = os.path.dirname(folder)
+  os.makedirs(path, exist_ok=True)
+  for created in reversed(missing if durable else ()):
+    fsync_dir(os.path.dirname(created))
 
 
 def fsync_dir(path: str) -> None:

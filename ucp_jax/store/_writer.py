@@ -72,7 +72,7 @@ class Writer:
     self._stores: dict[str, Any] = {}
     self._arrays: dict[str, _manifest.ArrayInfo] = {}
     self._tables: dict[str, _chunks.Table] = {}
-    self._inflight: list[Any] = []  # direct chunk writes started, waited for before an abort
+    self._inflight: list[Any] = []  # chunk writes started (direct, TensorStore): an abort waits
     self._data = ""  # the data prefix below the root (object stores)
     self._replaced = None  # the manifest this save replaces on an object store (False: unreadable)
     self.staging: _location.Location | None = None
@@ -84,7 +84,7 @@ class Writer:
       token = secrets.randbits(63)
       try:
         _commit.check_writable(self.target, self._overwrite)  # refused early, before the lock
-        lock = _commit.Lock(self.target, token)
+        lock = _commit.Lock(self.target, token, self._durable)
         lock.acquire()
         self._lock = lock
         _commit.remove_stale_staging(self.target)  # completes a swap that died half way
@@ -161,7 +161,8 @@ class Writer:
 
   def _wait_inflight(self) -> None:
     for future in self._inflight:
-      future.exception()
+      with contextlib.suppress(Exception):  # the failure itself is reported by the caller
+        future.exception()
 
   def _write_shards(self, entries: list[Entry], max_host_bytes: int) -> None:
     pending: list[tuple[Any, int]] = []
@@ -186,6 +187,8 @@ class Writer:
 
   def _write(self, key: str, host: np.ndarray, index: tuple[slice, ...], immutable: bool):
     """Starts writing `host` into the region `index` of `key`; returns something to wait on."""
+    if len(self._inflight) > 4096:  # keep the list short without scanning it per shard
+      self._inflight = [f for f in self._inflight if not f.done()]
     info = self._arrays[key]
     table = self._tables[key]
     if self.staging.local_dir is not None and info.compression is None and _direct.ENABLED:
@@ -199,15 +202,15 @@ class Writer:
         durable=self._durable,
       )
       self._inflight += futures
-      if len(self._inflight) > 4096:  # keep the list short without scanning it per shard
-        self._inflight = [f for f in self._inflight if not f.done()]
       return _AllOf(futures)
     for chunk in _chunks.chunks_in(index, info.chunks):
       region = _chunks.chunk_region(chunk, info.chunks, info.shape)
       table.set(chunk, _chunks.of_block(host[_regions.relative(region, index)], info.chunks))
-    return (
+    future = (
       self._stores[key][index].write(host, can_reference_source_data_indefinitely=immutable).commit
     )
+    self._inflight.append(future)  # an abort waits for it before removing the staging
+    return future
 
   def write_array(self, key: str, value: np.ndarray, index: tuple[slice, ...] | None = None):
     """Starts writing host data into `key` (all of it, or the chunk-aligned region `index`).
