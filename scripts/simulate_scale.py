@@ -15,7 +15,7 @@ float32, about 0.8 TB), and reports per layout:
 No data is allocated: a sharding's index map needs only device ids and process
 indices, which stand-in devices provide.
 
-Usage: python scripts/simulate_scale.py [--chunk-mib 4] [--layers 80]
+Usage: python scripts/simulate_scale.py [--chunk-mib 4] [--layers 80] [--stacked]
 """
 
 from __future__ import annotations
@@ -60,26 +60,34 @@ def mesh(data: int, fsdp: int, tensor: int) -> Mesh:
   return Mesh(devices.reshape(data, fsdp, tensor), ("data", "fsdp", "tensor"))
 
 
-def llama70b(layers: int) -> dict[str, tuple[tuple[int, ...], P]]:
-  """Parameter shapes and partition specs, as a Megatron/MaxText-style FSDP+TP layout."""
+def llama70b(layers: int, stacked: bool = False) -> dict[str, tuple[tuple[int, ...], P]]:
+  """Parameter shapes and partition specs, as a Megatron/MaxText-style FSDP+TP layout.
+
+  `stacked`: the layers scanned over, as MaxText and `nnx.scan` models hold them (one
+  array per kind of layer parameter, the layer its leading dimension).
+  """
   d, ff, kv, vocab = 8192, 28672, 1024, 128256
   params = {
     "embed": ((vocab, d), P("tensor", "fsdp")),
     "final_norm": ((d,), P()),
     "lm_head": ((d, vocab), P("fsdp", "tensor")),
   }
-  for i in range(layers):
-    params |= {
-      f"layers_{i}/attn/q": ((d, d), P("fsdp", "tensor")),
-      f"layers_{i}/attn/k": ((d, kv), P("fsdp", "tensor")),
-      f"layers_{i}/attn/v": ((d, kv), P("fsdp", "tensor")),
-      f"layers_{i}/attn/o": ((d, d), P("tensor", "fsdp")),
-      f"layers_{i}/mlp/gate": ((d, ff), P("fsdp", "tensor")),
-      f"layers_{i}/mlp/up": ((d, ff), P("fsdp", "tensor")),
-      f"layers_{i}/mlp/down": ((ff, d), P("tensor", "fsdp")),
-      f"layers_{i}/attn_norm": ((d,), P()),
-      f"layers_{i}/mlp_norm": ((d,), P()),
-    }
+  layer = {
+    "attn/q": ((d, d), P("fsdp", "tensor")),
+    "attn/k": ((d, kv), P("fsdp", "tensor")),
+    "attn/v": ((d, kv), P("fsdp", "tensor")),
+    "attn/o": ((d, d), P("tensor", "fsdp")),
+    "mlp/gate": ((d, ff), P("fsdp", "tensor")),
+    "mlp/up": ((d, ff), P("fsdp", "tensor")),
+    "mlp/down": ((ff, d), P("tensor", "fsdp")),
+    "attn_norm": ((d,), P()),
+    "mlp_norm": ((d,), P()),
+  }
+  for name, (shape, spec) in layer.items():
+    if stacked:
+      params[f"layers/{name}"] = ((layers, *shape), P(None, *spec))
+    else:
+      params |= {f"layers_{i}/{name}": (shape, spec) for i in range(layers)}
   return {f"{slot}/{k}": v for slot in ("params", "opt/mu", "opt/nu") for k, v in params.items()}
 
 
@@ -261,13 +269,14 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--chunk-mib", type=float, default=4.0, help="save's chunk_bytes (MiB)")
   parser.add_argument("--layers", type=int, default=80)
+  parser.add_argument("--stacked", action="store_true", help="layers scanned: one array per kind")
   args = parser.parse_args()
   chunk_bytes = int(args.chunk_mib * 2**20)
   check_object_count()
   calls = agreements_of_a_save()
   trips = sum(_ROUND_TRIPS[name] * n for name, n in calls.items())
   print(f"agreements of one save: {dict(calls)}")
-  state = llama70b(args.layers)
+  state = llama70b(args.layers, args.stacked)
   simulate("4,096 devices", mesh(32, 16, 8), mesh(16, 32, 8), state, chunk_bytes, trips)
   simulate("32,768 devices", mesh(256, 16, 8), mesh(240, 16, 8), state, chunk_bytes, trips)
   sys.stdout.flush()
