@@ -308,10 +308,21 @@ def test_malformed_manifest_entries_name_the_key(ckpt):
   manifest = ckpt / "manifest.json"
   good = json.loads(manifest.read_text())
   for edit, problem in (
-    ({"dtype": "float33"}, "unknown dtype 'float33'"),
+    ({"dtype": "float33"}, "dtype 'float33' is not one a checkpoint stores"),
+    ({"dtype": "object"}, "dtype 'object' is not one a checkpoint stores"),  # pointers
+    ({"dtype": "<U2"}, "dtype '<U2' is not one"),
+    ({"dtype": "string"}, "dtype 'string' is not one"),  # TensorStore's, not numpy's
+    ({"dtype": ["int8"]}, "dtype \\['int8'\\] is not one"),
     ({"shape": [-8, 4]}, "are not sizes"),
     ({"chunks": [8]}, "do not fit shape"),
     ({"shape": None}, "TypeError"),
+    ({"kind": "pickle"}, "kind 'pickle'"),
+    ({"kind": "scalar"}, "a scalar's python_type None"),
+    ({"kind": "scalar", "python_type": "os.system"}, "a scalar's python_type 'os.system'"),
+    ({"python_type": "int"}, "python_type 'int' on an entry of kind 'array'"),
+    ({"kind": "prng_key"}, "prng_impl None on an entry of kind 'prng_key'"),
+    ({"role": 7}, "role 7"),
+    ({"compression": "gzip"}, "compression 'gzip'"),
   ):
     bad = {**good, "arrays": {**good["arrays"], "a": {**good["arrays"]["a"], **edit}}}
     manifest.write_bytes(seal(bad))

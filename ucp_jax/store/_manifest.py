@@ -246,10 +246,7 @@ def _array_info(key: str, data: Any, where: str, sealed: bool) -> ArrayInfo:
   elif len(info.chunks) != len(info.shape) or not all(info.chunks):
     problem = f"chunks {list(info.chunks)} do not fit shape {list(info.shape)}"
   else:
-    try:
-      _itemsize(info.dtype)
-    except TypeError:
-      problem = f"unknown dtype {info.dtype!r}"
+    problem = _dtype_problem(info.dtype) or _fields_problem(info)
   if problem is None and sealed:
     checked = _attach_checksums(info, data.get("chunk_crc32c"))
     if isinstance(checked, ArrayInfo):
@@ -258,6 +255,40 @@ def _array_info(key: str, data: Any, where: str, sealed: bool) -> ArrayInfo:
   if problem:
     raise _errors.ManifestError(f"{where}: malformed manifest entry `{key}`: {problem}")
   return info
+
+
+def _dtype_problem(name: Any) -> str | None:
+  """Why `name` is not a data type a save writes (plain numbers: no objects, no strings)."""
+  import tensorstore as ts
+
+  try:
+    dtype = np.dtype(name) if isinstance(name, str) else None
+    ts.dtype(name)
+  except (TypeError, ValueError):
+    dtype = None
+  if dtype is None or dtype.name != name or dtype.hasobject or dtype.kind in "SUMm":
+    return f"dtype {name!r} is not one a checkpoint stores"
+  return None
+
+
+_KINDS = {"array": None, "scalar": ("bool", "int", "float", "complex"), "prng_key": None}
+
+
+def _fields_problem(info: ArrayInfo) -> str | None:
+  """Why the descriptive fields of an entry cannot be what a save wrote."""
+  if info.kind not in _KINDS:
+    return f"kind {info.kind!r} (one of {', '.join(_KINDS)})"
+  if info.kind == "scalar" and info.python_type not in _KINDS["scalar"]:
+    return f"a scalar's python_type {info.python_type!r} (one of bool, int, float, complex)"
+  if info.kind != "scalar" and info.python_type is not None:
+    return f"python_type {info.python_type!r} on an entry of kind {info.kind!r}"
+  if (info.kind == "prng_key") != isinstance(info.prng_impl, str):
+    return f"prng_impl {info.prng_impl!r} on an entry of kind {info.kind!r}"
+  if info.role is not None and not isinstance(info.role, str):
+    return f"role {info.role!r}"
+  if info.compression not in (None, "zstd"):
+    return f"compression {info.compression!r} (None or zstd)"
+  return None
 
 
 def _attach_checksums(info: ArrayInfo, text: Any) -> ArrayInfo | str:
