@@ -150,6 +150,20 @@ def test_keys_that_leave_the_checkpoint_or_name_its_files_are_refused(tmp_path, 
     ucp_jax.restore(root)
 
 
+def test_two_spellings_of_one_leaf_are_refused(tmp_path):
+  # `a%41` decodes to the leaf `aA` too: a crafted manifest could offer either for `aA`.
+  ucp_jax.save(tmp_path / "c", {"aA": np.zeros(3), "b": np.ones(3)})
+  os.rename(tmp_path / "c" / "b", tmp_path / "c" / "a%41")
+
+  def edit(data):
+    data["arrays"]["a%41"] = data["arrays"].pop("b")
+    data["tree"] = {"aA": "aA", "x": "a%41"}
+
+  _reseal(tmp_path / "c", edit)
+  with pytest.raises(ucp_jax.ManifestError, match="'a%41' is not encoded as a save encodes it"):
+    ucp_jax.open(tmp_path / "c")
+
+
 def test_a_key_below_another_array_is_refused(tmp_path):
   ucp_jax.save(tmp_path / "c", {"a": np.zeros(3), "b": np.ones(3)})
 

@@ -75,7 +75,8 @@ def problem(key: str) -> str | None:
 
   A valid key is what `join` makes: non-empty parts of safe characters and
   percent escapes, none `.` or `..` (so none leaves the checkpoint), none starting
-  with `__`, none a name the store reserves, none longer than a file name may be.
+  with `__`, none a name the store reserves, none longer than a file name may be,
+  each spelled as `encode_part` spells its name (two keys never name one leaf).
   """
   if not isinstance(key, str) or not key:
     return "empty key"
@@ -88,6 +89,8 @@ def problem(key: str) -> str | None:
       return f"path component {part!r} is reserved"
     if len(part) > MAX_PART_BYTES:
       return f"path component of {len(part)} characters (at most {MAX_PART_BYTES})"
+    if encode_part(decode_part(part)) != part:  # one spelling per name: `a%41` is `aA`'s
+      return f"path component {part!r} is not encoded as a save encodes it"
   return None
 
 
