@@ -23,8 +23,10 @@ peak RSS is per contender:
                 save via ocp.args.PyTreeSave, restore via ocp.args.PyTreeRestore with
                 ocp.checkpoint_utils.construct_restore_args(abstract tree).
   raw           numpy.ndarray.tofile, one file per array, from host copies made before timing,
-                written by a thread pool; `readinto` back into preallocated (touched) arrays.
-                What the disk and page cache allow; no device transfer on either side.
+                written by a thread pool; `readinto` back into preallocated (touched) arrays,
+                and into fresh (untouched) ones, as any restore that returns new arrays must:
+                the kernel faults every page in. What the disk, the page cache and fresh memory
+                allow; no device transfer on either side.
   reshard_ucp / reshard_device_put
                 ucp_jax.reshard(state, different-mesh shardings) vs jax.device_put(state, same).
                 The first call is timed on its own (device_put compiles its resharding then),
@@ -81,10 +83,11 @@ import _bench_util as bu  # noqa: E402
 CONTENDERS = (
   "ucp", "orbax", "orbax_nozstd", "raw", "reshard_ucp", "reshard_device_put", "reshard_memcpy",
 )  # fmt: skip
-PHASES = ("save", "restore_same", "restore_diff", "reshard_first", "reshard")
+PHASES = ("save", "restore_same", "restore_fresh", "restore_diff", "reshard_first", "reshard")
 PHASE_LABEL = {
   "save": "save",
   "restore_same": "restore, same mesh",
+  "restore_fresh": "read into fresh memory",
   "restore_diff": "restore, different mesh",
   "reshard_first": "reshard, first call",
   "reshard": "reshard, repeated",
@@ -410,6 +413,15 @@ def worker_raw(ph, state, crcs, same, diff, root):
 
   ph.run("restore_same", do_read, before=ph.before_restore, check=lambda r: verify(r, crcs))
 
+  def do_read_fresh():  # what any restore that returns new arrays must at least do
+    nonlocal out
+    out = {k: np.empty_like(host[k]) for k in keys}  # untouched: the kernel faults pages in
+    with ThreadPoolExecutor(threads) as pool:
+      list(pool.map(read_one, keys))
+    return out
+
+  ph.run("restore_fresh", do_read_fresh, before=ph.before_restore, check=lambda r: verify(r, crcs))
+
 
 def _worker_reshard(ph, state, crcs, same, diff, root, method):
   import jax
@@ -586,6 +598,14 @@ TARGETS = [
   ("ucp save bandwidth / raw write", "raw/save", "ucp/save", 0.5, True),
   ("ucp restore-same bandwidth / raw read", "raw/restore_same", "ucp/restore_same", 0.5, True),
   ("ucp restore-different bandwidth / raw read", "raw/restore_same", "ucp/restore_diff", 0.5, True),
+  (
+    "ucp restore-same bandwidth / raw read into fresh memory",
+    "raw/restore_fresh", "ucp/restore_same", 0.5, True,
+  ),
+  (
+    "ucp restore-different bandwidth / raw read into fresh memory",
+    "raw/restore_fresh", "ucp/restore_diff", 0.5, True,
+  ),
   (
     "ucp.reshard speedup vs jax.device_put, first call",
     "reshard_device_put/reshard_first", "reshard_ucp/reshard_first", 5.0, True,

@@ -333,6 +333,38 @@ def test_reshard_matches_device_put():
   np.testing.assert_array_equal(np.asarray(src), data)  # input untouched
 
 
+@pytest.mark.parametrize("faster", ["host", "device_put"])
+def test_reshard_auto_settles_on_the_faster_path(monkeypatch, faster):
+  from ucp_jax.tree import _reshard
+
+  src = NamedSharding(MESHES["8"](), P("x"))
+  dst = NamedSharding(MESHES["2x4"](), P("y", "x"))
+  x = jax.device_put(
+    np.arange(64 * 8 * (5 if faster == "host" else 7), dtype=np.float32).reshape(64, -1), src
+  )  # a change of its own per case
+  used = []
+  for name in ("_host_reshard", "_device_put"):
+    real = getattr(_reshard, name)
+    monkeypatch.setattr(
+      _reshard, name, lambda a, t, real=real, name=name: used.append(name) or real(a, t)
+    )
+  slow = (
+    {"host": 0.5, "device_put": 0.1} if faster == "device_put" else {"host": 0.1, "device_put": 0.5}
+  )
+  clock = iter([0.0, slow["host"], 10.0, 10.0 + slow["device_put"]])
+  monkeypatch.setattr(_reshard.time, "perf_counter", lambda: next(clock))
+  want = np.asarray(x)
+  for _ in range(5):
+    out = ucp_jax.reshard({"w": x}, {"w": dst})["w"]
+    assert out.sharding == dst
+    np.testing.assert_array_equal(np.asarray(out), want)
+  # First move by host copy, then device_put compiling, then device_put timed, then the faster.
+  path = "_host_reshard" if faster == "host" else "_device_put"
+  assert used == ["_host_reshard", "_device_put", "_device_put", path, path]
+  known = _reshard._AUTO.known({"w": x}, {"w": dst})
+  assert known["calls"] == 5 and {k: known[k] for k in slow} == pytest.approx(slow)
+
+
 def test_reshard_keys_and_one_sharding_for_all():
   keys = jax.random.split(jax.random.key(0), 8)
   dst = NamedSharding(MESHES["8"](), P("x"))
