@@ -258,7 +258,24 @@ def save_replicated(workdir: str) -> dict:
   return {"wrote": wrote}
 
 
+def convert_fails_on_one(workdir: str) -> dict:
+  """Converts a DeepSpeed fixture on both processes; process 1 fails on its first array."""
+  from ucp_jax.sources import _source_plan
+
+  src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures/deepspeed/z2_bf16_dp3")
+  if jax.process_index() == 1:
+
+    def broken(tensor):
+      raise OSError(5, "Input/output error (injected)", "rank_file.pt")
+
+    _source_plan.assemble = broken
+  start = time.monotonic()
+  error = _expect_failure(lambda: ucp_jax.convert(os.path.join(src, "ckpt"), workdir + "/out"))
+  return {"error": error, "seconds": time.monotonic() - start}
+
+
 SCENARIOS = {
+  "convert_fails_on_one": convert_fails_on_one,
   "save_replicated": save_replicated,
   "reshard_live": reshard_live,
   "save_slow_writer": save_slow_writer,

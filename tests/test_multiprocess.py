@@ -170,6 +170,19 @@ def test_replicated_arrays_are_written_once_by_processes_in_turn(tmp_path):
     assert sorted(len(w["tiny"]) for w in wrote) == [0, 1]
 
 
+def test_a_conversion_failing_on_one_process_fails_on_all_and_commits_nothing(tmp_path):
+  results = run_workers("convert_fails_on_one", tmp_path)
+  errors = [r["error"] for r in results]
+  assert errors[0].endswith("writing arrays failed on another process (see its log)"), errors
+  assert (
+    errors[1].startswith("StorageError: ")
+    and "I/O error: check the disk (rank_file.pt)" in errors[1]
+  )
+  assert all(r["seconds"] < 30 for r in results), results  # agreed, not waited out
+  assert not (tmp_path / "out").exists()
+  assert _leftovers(tmp_path) == []
+
+
 def test_save_1x8_restore_2x4(tmp_path, devices):
   ucp_jax.save(tmp_path / "ckpt", worker.state(), step=worker.STEP)
   results = run_workers("restore_grid", tmp_path)

@@ -368,6 +368,30 @@ def test_reshard_auto_settles_on_the_faster_path(monkeypatch, faster):
   assert known["calls"] == 6 and {k: known[k] for k in slow} == pytest.approx(slow)
 
 
+def test_reshard_auto_survives_a_failed_move(monkeypatch):
+  from ucp_jax.tree import _reshard
+
+  src = NamedSharding(MESHES["8"](), P("x"))
+  dst = NamedSharding(MESHES["2x4"](), P("x", "y"))
+  x = jax.device_put(np.arange(8 * 24, dtype=np.float32).reshape(8, 24), src)
+  real = _reshard._host_reshard
+  fail = [True]
+
+  def host(a, t):
+    if fail.pop() if fail else False:
+      raise KeyboardInterrupt  # the first, timed host copy is interrupted
+    return real(a, t)
+
+  monkeypatch.setattr(_reshard, "_host_reshard", host)
+  with pytest.raises(KeyboardInterrupt):
+    ucp_jax.reshard({"w": x}, {"w": dst})
+  for _ in range(7):  # it measures again what the failure left unknown, then settles
+    out = ucp_jax.reshard({"w": x}, {"w": dst})["w"]
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(x))
+  known = _reshard._AUTO.known({"w": x}, {"w": dst})
+  assert known["calls"] == 7 and known["host"] is not None and known["timed"] == 2
+
+
 def test_reshard_keys_and_one_sharding_for_all():
   keys = jax.random.split(jax.random.key(0), 8)
   dst = NamedSharding(MESHES["8"](), P("x"))

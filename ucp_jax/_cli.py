@@ -156,7 +156,7 @@ def cmd_convert(args, out: Console, err: Console) -> int:
   from ucp_jax.sources import _convert
 
   _outlives_process(args.dst)
-  helpers = None
+  helpers, joined = None, False
   if args.processes is not None:
     if args.coordinator is not None or args.processes < 1:
       raise _errors.UcpError("--processes N (N >= 1) starts a run here; --coordinator joins one")
@@ -164,12 +164,14 @@ def cmd_convert(args, out: Console, err: Console) -> int:
       args.coordinator = f"127.0.0.1:{_processes.free_port()}"
       args.num_processes = args.processes
       args.process_id = 0
-      helpers = _processes.Helpers(_convert_argv(args), args.processes)
-  if args.coordinator is not None:
-    if args.num_processes is None or args.process_id is None:
-      raise _errors.UcpError("--coordinator needs --num-processes and --process-id")
-    _processes.join(args.coordinator, args.num_processes, args.process_id)
+  if args.coordinator is not None and (args.num_processes is None or args.process_id is None):
+    raise _errors.UcpError("--coordinator needs --num-processes and --process-id")
   try:
+    if args.processes is not None and args.processes > 1:
+      helpers = _processes.Helpers(_convert_argv(args), args.processes)
+    if args.coordinator is not None:
+      _processes.join(args.coordinator, args.num_processes, args.process_id)
+      joined = True
     with Reporter(err, "convert") as progress:
       report = _convert.convert(
         args.src,
@@ -182,9 +184,15 @@ def cmd_convert(args, out: Console, err: Console) -> int:
   except KeyboardInterrupt:
     if helpers is not None:
       helpers.kill()
+    if joined:  # jax's own exit would wait for the processes just stopped
+      _processes.exit_now(err, 130)
+    raise
+  except BaseException:
+    if helpers is not None and not joined:  # they wait for a run that never started
+      helpers.kill()
     raise
   finally:  # a failure reached every process (the save agrees on it): all leave together
-    if args.coordinator is not None and sys.exc_info()[0] is not KeyboardInterrupt:
+    if joined and sys.exc_info()[0] is not KeyboardInterrupt:
       _processes.leave()
     failed = helpers.wait() if helpers is not None else []
   if failed:

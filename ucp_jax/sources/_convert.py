@@ -190,30 +190,36 @@ def _write(
     progress("", 0, total)
   with Writer(target, overwrite=overwrite, durable=durable) as writer:
     writer.create(arrays, compression=None)
-    pending: collections.deque = collections.deque()
-    held = 0
-
-    def finish_one() -> int:
-      key, future, nbytes, pieces = pending.popleft()
-      try:
-        future.result()
-      except Exception as e:
-        raise _errors.UcpError(f"{target}: writing `{key}` failed: {e}") from e
-      release(pieces)
-      if progress is not None:
-        progress(key, nbytes, total)
-      return nbytes
-
-    for key, (info, tensor) in jobs.items():
-      while pending and held + info.nbytes > budget:
-        held -= finish_one()
-      data, pieces = _source_plan.assemble(tensor)
-      pending.append((key, writer.write_array(key, data), info.nbytes, pieces))
-      held += info.nbytes
-      del data
-    while pending:
-      finish_one()
+    # Agreed by every process: one that fails makes all of them fail, none waits forever.
+    writer.together("writing arrays", _write_share, writer, target, jobs, budget, total, progress)
     writer.commit(manifest)
+
+
+def _write_share(writer, target, jobs, budget: int, total: int, progress) -> None:
+  """Writes this process's arrays, at most ~`budget` bytes assembled and waiting at once."""
+  pending: collections.deque = collections.deque()
+  held = 0
+
+  def finish_one() -> int:
+    key, future, nbytes, pieces = pending.popleft()
+    try:
+      future.result()
+    except Exception as e:
+      raise _errors.UcpError(f"{target}: writing `{key}` failed: {e}") from e
+    release(pieces)
+    if progress is not None:
+      progress(key, nbytes, total)
+    return nbytes
+
+  for key, (info, tensor) in jobs.items():
+    while pending and held + info.nbytes > budget:
+      held -= finish_one()
+    data, pieces = _source_plan.assemble(tensor)
+    pending.append((key, writer.write_array(key, data), info.nbytes, pieces))
+    held += info.nbytes
+    del data
+  while pending:
+    finish_one()
 
 
 def share(arrays: dict[str, ArrayInfo], processes: int) -> list[set[str]]:

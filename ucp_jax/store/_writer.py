@@ -171,7 +171,8 @@ class Writer:
       nbytes = (
         0  # a CPU device's buffer is written in place: no host copy to bound
         if _on_cpu_device(entry.value)
-        else int(np.prod([s.stop - s.start for s in index], dtype=np.int64))
+        # the host holds all of `data` (a whole shard) while one slab of it is written
+        else int(np.prod([s.stop - s.start for s in origin], dtype=np.int64))
         * np.dtype(entry.info.dtype).itemsize
       )
       while pending and held + nbytes > max_host_bytes:

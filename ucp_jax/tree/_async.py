@@ -147,8 +147,15 @@ def _host_copies(entries: list[_writer.Entry]) -> list[_writer.Entry]:
   owned: dict[str, list] = {e.key: [] for e in entries}
   # _owned_shards starts every device-to-host copy before the first one is waited for.
   for entry, index, data, origin in _writer.owned_shards(entries, _multihost.is_primary()):
-    owned[entry.key].append((index, _writer.slab(_host_copy(data), index, origin)))
+    host = _writer.slab(_host_copy(data), index, origin)
+    if index != origin and not _on_cpu(data):  # keep the slab, not the whole shard's copy
+      host = np.array(host, copy=True)
+    owned[entry.key].append((index, host))
   return [dataclasses.replace(e, value=None, owned=tuple(owned[e.key])) for e in entries]
+
+
+def _on_cpu(data: Any) -> bool:
+  return isinstance(data, jax.Array) and next(iter(data.devices())).platform == "cpu"
 
 
 def _host_copy(data: Any) -> np.ndarray:

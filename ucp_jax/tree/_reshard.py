@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -83,6 +84,7 @@ class _Auto:
 
   def __init__(self):
     self._seen: dict[Any, dict[str, Any]] = {}
+    self._lock = threading.Lock()
 
   @staticmethod
   def _change(arrays: dict[str, jax.Array], targets: dict[str, Any]) -> tuple:
@@ -90,27 +92,36 @@ class _Auto:
 
   def move(self, arrays: dict[str, jax.Array], targets: dict[str, Any]) -> dict[str, jax.Array]:
     change = self._change(arrays, targets)
-    state = self._seen.get(change)
-    if state is None:
-      if len(self._seen) >= self._MAX_CHANGES:
-        self._seen.clear()
-      state = self._seen[change] = {"calls": 0, "host": None, "device_put": None}
-    state["calls"] += 1
-    calls = state["calls"]
-    if calls == 2:
-      return _device_put(arrays, targets)  # compiles: untimed
-    if calls in (1, 3, 4):
-      path = "host" if calls == 1 else "device_put"
-      start = time.perf_counter()
-      moved = jax.block_until_ready(
-        _host_reshard(arrays, targets) if path == "host" else _device_put(arrays, targets)
-      )
-      seconds = time.perf_counter() - start
-      state[path] = seconds if state[path] is None else min(state[path], seconds)
+    with self._lock:
+      state = self._seen.get(change)
+      if state is None:
+        if len(self._seen) >= self._MAX_CHANGES:
+          self._seen.clear()
+        state = self._seen[change] = {"calls": 0, "host": None, "device_put": None, "timed": 0}
+      # What is still unknown decides the path; a call that fails leaves it unknown.
+      if state["host"] is None:
+        path, timed = "host", True
+      elif state["calls"] == 1:
+        path, timed = "device_put", False  # compiles: untimed
+      elif state["timed"] < 2:
+        path, timed = "device_put", True
+      else:
+        path = "device_put" if state["device_put"] < state["host"] else "host"
+        timed = False
+    move = _host_reshard if path == "host" else _device_put
+    if not timed:
+      moved = move(arrays, targets)
+      with self._lock:
+        state["calls"] += 1
       return moved
-    if state["device_put"] < state["host"]:
-      return _device_put(arrays, targets)
-    return _host_reshard(arrays, targets)
+    start = time.perf_counter()
+    moved = jax.block_until_ready(move(arrays, targets))
+    seconds = time.perf_counter() - start
+    with self._lock:
+      state["calls"] += 1
+      state[path] = seconds if state[path] is None else min(state[path], seconds)
+      state["timed"] += path == "device_put"
+    return moved
 
   def known(self, arrays: dict[str, jax.Array], targets: dict[str, Any]) -> dict[str, Any]:
     """What `move` has measured of this change: calls so far, and the timed seconds."""
