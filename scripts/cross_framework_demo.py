@@ -167,6 +167,7 @@ def rank_main(job_path: str) -> None:
     Path(job.out).write_text(json.dumps({"losses": losses, "global_steps": engine.global_steps}))
   dist.barrier()
   engine.destroy()
+  torch.distributed.destroy_process_group()  # gloo's threads stopped before exit, not killed
 
 
 def launch(dp: int, job: DsJob, workdir: Path, timeout: float = 600) -> list[float]:

@@ -242,6 +242,7 @@ def worker(jobs_path: str, out: str) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     torch.save(result, folder / f"rank{rank}.pt")
     dist.barrier()
+  torch.distributed.destroy_process_group()  # gloo's threads stopped before exit, not killed
 
 
 if __name__ == "__main__":

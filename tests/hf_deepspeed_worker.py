@@ -193,6 +193,7 @@ def rank_main(leg_path: str) -> None:
   Path(leg.out).mkdir(parents=True, exist_ok=True)
   for name in leg.models:
     _train(name, leg, dist.get_rank(), dist.get_world_size())
+  torch.distributed.destroy_process_group()  # gloo's threads stopped before exit, not killed
 
 
 if __name__ == "__main__":
