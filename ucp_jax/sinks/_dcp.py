@@ -151,12 +151,7 @@ def check_destination(dst: str | os.PathLike, *, overwrite: bool) -> str:
 
 
 def _not_an_export(path: str) -> list[str]:
-  marker = _folder.read_marker(path, NAME)
-  names = sorted(os.listdir(path))
-  if marker is None:
-    return [f"no {_folder.MARKER} of a DCP export", *names]
-  ours = {_folder.MARKER, METADATA, *(marker.get("files") or [])}
-  return [n for n in names if n not in ours or not os.path.isfile(os.path.join(path, n))]
+  return _folder.foreign_entries(path, NAME, "a DCP export", ours=(METADATA,))
 
 
 def _entries(weights: _schema.WeightsPlan, plan: _schema.ExportPlan | None) -> list[tuple]:

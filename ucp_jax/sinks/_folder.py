@@ -58,6 +58,24 @@ def check_destination(
   return path
 
 
+def foreign_entries(
+  path: str, format: str, what: str, ours: tuple[str, ...] = (), files_only: bool = True
+) -> list[str]:
+  """What folder `path` holds that an export of `format` did not write (empty: ours).
+
+  Ours: the marker, the names in `ours`, and the files the marker lists; with
+  `files_only`, only as plain files. `what` names the export in messages ("a DCP export").
+  """
+  marker = read_marker(path, format)
+  names = sorted(os.listdir(path))
+  if marker is None:
+    return [f"no {MARKER} of {what}", *names]
+  mine = {MARKER, *ours, *(marker.get("files") or [])}
+  return [
+    n for n in names if n not in mine or (files_only and not os.path.isfile(os.path.join(path, n)))
+  ]
+
+
 def read_marker(path: str, format: str | None = None) -> dict | None:
   """The export marker in folder `path`, or None if it is missing, not ours, or of another format.
 

@@ -146,13 +146,8 @@ def check_destination(dst: str | os.PathLike, *, overwrite: bool) -> str:
 
 
 def _not_an_export(path: str) -> list[str]:
-  marker = _folder.read_marker(path, NAME)
-  names = sorted(os.listdir(path))
-  if marker is None:
-    return [f"no {_folder.MARKER} of an HF export", *names]
-  ours = {_folder.MARKER, "config.json", "model" + _safetensors.INDEX_SUFFIX}
-  ours |= set(marker.get("files") or [])
-  return [n for n in names if n not in ours or not os.path.isfile(os.path.join(path, n))]
+  ours = ("config.json", "model" + _safetensors.INDEX_SUFFIX)
+  return _folder.foreign_entries(path, NAME, "an HF export", ours=ours)
 
 
 def shard_bytes(size: int | str) -> int:

@@ -164,12 +164,7 @@ def check_destination(dst: str | os.PathLike, *, overwrite: bool) -> str:
 
 
 def _not_an_export(path: str) -> list[str]:
-  marker = _folder.read_marker(path, NAME)
-  names = sorted(os.listdir(path))
-  if marker is None:
-    return [f"no {_folder.MARKER} of an Orbax export", *names]
-  ours = {_folder.MARKER, *(marker.get("files") or [])}
-  return [n for n in names if n not in ours]
+  return _folder.foreign_entries(path, NAME, "an Orbax export", files_only=False)
 
 
 @dataclasses.dataclass(frozen=True)

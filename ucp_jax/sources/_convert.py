@@ -21,7 +21,7 @@ from ucp_jax import _errors
 from ucp_jax._errors import SourceFormatError
 from ucp_jax.sources import _registry, _source_plan
 from ucp_jax.sources._source_plan import Tensor, release
-from ucp_jax.store import _keypath, _location, _multihost
+from ucp_jax.store import _location, _multihost
 from ucp_jax.store._manifest import ArrayInfo, Manifest
 from ucp_jax.store._writer import Writer
 
@@ -125,24 +125,16 @@ def convert(
   start = time.perf_counter()
   plan = _registry.describe(src, source, **options)
   target = _location.resolve(dst)
-  jobs, schema = _source_plan.layout(plan)
-  arrays = {key: info for key, (info, _) in jobs.items()}
-  manifest = Manifest(
-    arrays=arrays,
-    tree=_keypath.structure(list(arrays)),
-    step=plan.step,
-    source=plan.source,
-    schema=schema,
-  )
+  manifest, tensors = _source_plan.manifest_of(plan)
   _check_growth(plan.path, manifest.nbytes, plan.max_growth or MAX_GROWTH)
-  _write(target, jobs, manifest, overwrite=overwrite, progress=progress, durable=durable)
+  _write(target, manifest, tensors, overwrite=overwrite, progress=progress, durable=durable)
   return ConvertReport(
     src=plan.path,
     dst=str(target),
     format=plan.format,
     step=plan.step,
     params=len(plan.params),
-    arrays=len(arrays),
+    arrays=len(manifest.arrays),
     bytes=manifest.nbytes,
     seconds=time.perf_counter() - start,
     processes=_multihost.process_count(),
@@ -173,16 +165,16 @@ def _check_growth(folder: str, nbytes: int, growth: float = MAX_GROWTH) -> None:
 
 def _write(
   target: _location.Location,
-  jobs: dict[str, tuple[ArrayInfo, Tensor]],
   manifest: Manifest,
+  tensors: dict[str, Tensor],
   *,
   overwrite: bool,
   progress: Progress | None,
   durable: bool = True,
 ) -> None:
-  arrays = {key: info for key, (info, _) in jobs.items()}
+  arrays = manifest.arrays
   mine = share(arrays, _multihost.process_count())[_multihost.process_index()]
-  jobs = {key: job for key, job in jobs.items() if key in mine}
+  jobs = {key: (arrays[key], tensor) for key, tensor in tensors.items() if key in mine}
   total = sum(info.nbytes for info, _ in jobs.values())
   largest = max((info.nbytes for info, _ in jobs.values()), default=0)
   budget = max(_MIN_IN_FLIGHT, 2 * largest)

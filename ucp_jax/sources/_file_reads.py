@@ -98,7 +98,6 @@ def _read_shared(path, offset, shape, dtype, block: Region, regions, outs, ident
 
 
 def _pread(path: str, start: int, out: np.ndarray, identity=()) -> None:
-  view = memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(bytearray())
   fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
   try:
     st = os.fstat(fd)
@@ -106,11 +105,18 @@ def _pread(path: str, start: int, out: np.ndarray, identity=()) -> None:
       raise SourceFormatError(
         f"{path}: changed since it was opened (replaced or rewritten); open it again"
       )
-    done = 0
-    while done < view.nbytes:
-      got = os.preadv(fd, [view[done : done + _MAX_READ]], start + done)
-      if got == 0:
-        raise SourceFormatError(f"{path}: ends at byte {start + done}, inside a tensor")
-      done += got
+    pread_into(fd, path, start, out, "a tensor")
   finally:
     os.close(fd)
+
+
+def pread_into(fd: int, path: str, at: int, out: np.ndarray, inside: str) -> None:
+  """Fills the C-contiguous `out` from byte `at` of the open file `path` (the one read loop of
+  source files); a file that ends first is an error naming what it ends `inside`."""
+  view = memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(bytearray())
+  done = 0
+  while done < view.nbytes:
+    got = os.preadv(fd, [view[done : done + _MAX_READ]], at + done)
+    if got == 0:
+      raise SourceFormatError(f"{path}: ends at byte {at + done}, inside {inside}")
+    done += got

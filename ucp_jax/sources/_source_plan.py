@@ -19,7 +19,7 @@ import numpy as np
 from ucp_jax._errors import SourceFormatError
 from ucp_jax.sources.torch._torch_file import InertObject, TorchDtype
 from ucp_jax.store import _keypath, _zarr
-from ucp_jax.store._manifest import ArrayInfo
+from ucp_jax.store._manifest import ArrayInfo, Manifest
 
 Pieces = Callable[[], Sequence[np.ndarray]]
 
@@ -257,3 +257,17 @@ def assemble(tensor: Tensor) -> tuple[np.ndarray, list[np.ndarray]]:
     return np.zeros(tensor.shape, dtype), pieces
   data = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
   return data.reshape(tensor.shape), pieces
+
+
+def manifest_of(plan: Plan) -> tuple[Manifest, dict[str, Tensor]]:
+  """The manifest a conversion of `plan` writes, and the tensor behind each of its arrays."""
+  jobs, schema = layout(plan)
+  arrays = {key: info for key, (info, _) in jobs.items()}
+  manifest = Manifest(
+    arrays=arrays,
+    tree=_keypath.structure(list(arrays)),
+    step=plan.step,
+    source=plan.source,
+    schema=schema,
+  )
+  return manifest, {key: tensor for key, (_, tensor) in jobs.items()}

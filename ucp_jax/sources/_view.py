@@ -9,6 +9,7 @@ a conversion. The keys and schema are those `convert` would write (`params/NAME`
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -16,8 +17,7 @@ import tensorstore as ts
 
 from ucp_jax import _errors
 from ucp_jax.sources import _file_reads, _registry, _source_plan
-from ucp_jax.store import _keypath, _location, _reader
-from ucp_jax.store._manifest import Manifest
+from ucp_jax.store import _location, _reader
 
 _BLOCK_BYTES = 64 << 20
 
@@ -35,19 +35,10 @@ class SourceCheckpoint(_reader.Checkpoint):
   checksummed = False
 
   def __init__(self, path: str, plan: _source_plan.Plan):
-    jobs, schema = _source_plan.layout(plan)
-    arrays = {key: info for key, (info, _) in jobs.items()}
-    manifest = Manifest(
-      arrays=arrays,
-      tree=_keypath.structure(list(arrays)),
-      step=plan.step,
-      source={**plan.source, "format": plan.format},
-      schema=schema,
-      created="",
-    )
+    manifest, self._tensors = _source_plan.manifest_of(plan)
+    manifest = dataclasses.replace(manifest, source={**plan.source, "format": plan.format})
     super().__init__(_location.resolve(path), manifest)
     self.plan = plan
-    self._tensors = {key: tensor for key, (_, tensor) in jobs.items()}
 
   def files(self, key: str) -> None:
     """None: a source's arrays are read through their memory maps."""

@@ -29,6 +29,7 @@ import numpy as np
 import tensorstore as ts
 
 from ucp_jax._errors import SourceFormatError
+from ucp_jax.sources import _file_reads
 from ucp_jax.sources._source_plan import Tensor
 from ucp_jax.sources.dcp._metadata import Chunk, Stored, TensorEntry
 from ucp_jax.sources.torch import _torch_file
@@ -36,7 +37,6 @@ from ucp_jax.store import _location, _regions, _zarr
 
 CELL_BYTES = 1 << 20
 """The most a lazy read of a view asks of the chunks at once (a TensorStore cell)."""
-_MAX_READ = 1 << 30  # Linux reads at most ~2 GiB per call
 
 Region = _regions.Region
 
@@ -125,13 +125,7 @@ def _mapped(array: np.ndarray) -> int | None:
 def _pread(fd: int, path: str, at: int, out: np.ndarray) -> None:
   """Fills the C-contiguous `out` from byte `at` of an open rank file: the one place chunk
   elements are read."""
-  view = memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(bytearray())
-  done = 0
-  while done < view.nbytes:
-    got = os.preadv(fd, [view[done : done + _MAX_READ]], at + done)
-    if got == 0:
-      raise SourceFormatError(f"{path}: ends at byte {at + done}, inside a chunk")
-    done += got
+  _file_reads.pread_into(fd, path, at, out, "a chunk")
 
 
 class _Reader:

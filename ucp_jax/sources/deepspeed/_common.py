@@ -59,16 +59,8 @@ def fail(header: str, problems: Sequence[str]) -> None:
     raise SourceFormatError(f"{header}:\n{bullet_list(list(problems))}")
 
 
-def load(path: str) -> Any:
-  """Reads a torch file with the safe reader (memory-mapped); errors name the file."""
-  try:
-    return _torch_file.load(path)
-  except SourceFormatError as e:
-    if path in str(e):
-      raise
-    raise SourceFormatError(f"{path}: {e}") from e
-  except OSError as e:
-    raise SourceFormatError(f"{path}: cannot read this torch file ({e.strerror or e})") from e
+load = _torch_file.load_named
+"""Reads a torch file with the safe reader (memory-mapped); errors name the file."""
 
 
 MAX_TAG_BYTES = 4096

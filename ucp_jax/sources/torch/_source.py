@@ -127,16 +127,8 @@ def describe(path: str, *, param_names: list[list[str]] | None = None) -> Plan:
   )
 
 
-def load(file: str) -> Any:
-  """The object tree of a torch file, read safely; every error names the file."""
-  try:
-    return _torch_file.load(file)
-  except SourceFormatError as e:
-    if file in str(e):
-      raise
-    raise SourceFormatError(f"{file}: {e}") from e
-  except OSError as e:
-    raise SourceFormatError(f"{file}: cannot read this torch file ({e.strerror or e})") from e
+load = _torch_file.load_named
+"""The object tree of a torch file, read safely; every error names the file."""
 
 
 def split(data: Any, file: str) -> tuple[dict, str | None, Any, str, dict]:

@@ -127,6 +127,18 @@ class _StorageType:
   dtype: TorchDtype | None
 
 
+def load_named(path: str) -> Any:
+  """`load(path)`, every error naming the file (a sources' reader's entry point)."""
+  try:
+    return load(path)
+  except SourceFormatError as e:
+    if path in str(e):
+      raise
+    raise SourceFormatError(f"{path}: {e}") from e
+  except OSError as e:
+    raise SourceFormatError(f"{path}: cannot read this torch file ({e.strerror or e})") from e
+
+
 def load(path: str | os.PathLike, *, mmap: bool = True, span: tuple[int, int] | None = None) -> Any:
   """Reads the object tree of a `torch.save` file, safely; see the module docstring.
 
