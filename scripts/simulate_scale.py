@@ -1,6 +1,6 @@
 """Save and restore planned for thousands of hosts, without the hosts (docs/scale.md).
 
-Runs ucp_jax's own planners (chunk choice, who-writes-what, the chunks each host
+Runs ucp_jax's own planners (chunk and bundle choice, who-writes-what, the chunks each host
 reads) on meshes of 4,096 and 32,768 simulated devices (8 per process) for the
 training state of a Llama-2-70B-shaped model with Adam (params and two moments in
 float32, about 0.8 TB), and reports per layout:
@@ -15,7 +15,7 @@ float32, about 0.8 TB), and reports per layout:
 No data is allocated: a sharding's index map needs only device ids and process
 indices, which stand-in devices provide.
 
-Usage: python scripts/simulate_scale.py [--chunk-mib 4] [--layers 80] [--stacked]
+Usage: python scripts/simulate_scale.py [--chunk-mib 4] [--bundle-mib 256] [--layers 80] [--stacked]
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ucp_jax
-from ucp_jax.store import _chunks, _multihost, _regions, _write_plan, _zarr
+from ucp_jax.store import _bundle, _chunks, _multihost, _regions, _write_plan, _zarr
 
 DEVICES_PER_PROCESS = 8
 ITEMSIZE = 4  # float32 params and Adam moments
@@ -91,15 +91,23 @@ def llama70b(layers: int, stacked: bool = False) -> dict[str, tuple[tuple[int, .
   return {f"{slot}/{k}": v for slot in ("params", "opt/mu", "opt/nu") for k, v in params.items()}
 
 
-def plan_save(state, m: Mesh, chunk_bytes: int, process: int):
-  """Chunks per array and `process`'s write plan, timed as one process plans them."""
+def plan_save(state, m: Mesh, chunk_bytes: int, bundle_bytes: int | None, process: int):
+  """Chunks and bundles per array and `process`'s write plan, timed as one process plans them.
+
+  Returns (chunks, files, plans, seconds): `files` is the shape of each array's files (its
+  bundle, or its chunk when chunks are not bundled), the unit the write plan hands out.
+  """
   start = time.perf_counter()
-  chunks, plans = {}, {}
+  chunks, files, plans = {}, {}, {}
   for key, (shape, spec) in state.items():
     sharding = NamedSharding(m, spec)
-    chunks[key] = _zarr.choose_chunks(shape, sharding.shard_shape(shape), ITEMSIZE, chunk_bytes)
-    plans[key] = _write_plan.of_sharding(key, sharding, shape, chunks[key], process)
-  return chunks, plans, time.perf_counter() - start
+    shard = sharding.shard_shape(shape)
+    chunks[key] = _zarr.choose_chunks(shape, shard, ITEMSIZE, chunk_bytes)
+    writers = _write_plan.writers(sharding, shape)
+    bundle = _bundle.choose(shape, shard, chunks[key], ITEMSIZE, bundle_bytes, writers)
+    files[key] = bundle or chunks[key]
+    plans[key] = _write_plan.of_sharding(key, sharding, shape, files[key], process)
+  return chunks, files, plans, time.perf_counter() - start
 
 
 def bytes_written(state, m: Mesh, chunks) -> np.ndarray:
@@ -158,11 +166,11 @@ def _restore_reads(sharding, shape, chunks, processes):
   return read, held
 
 
-def objects(state, chunks) -> int:
-  """Chunk objects, one zarr.json per array and group, and the manifest."""
+def objects(state, files) -> int:
+  """Chunk (or bundle) objects, one zarr.json per array and group, and the manifest."""
   groups = {"/".join(k.split("/")[:i]) for k in state for i in range(len(k.split("/")))}
   return (
-    sum(_chunks.count(s, chunks[k]) for k, (s, _) in state.items()) + len(state) + len(groups) + 1
+    sum(_chunks.count(s, files[k]) for k, (s, _) in state.items()) + len(state) + len(groups) + 1
   )
 
 
@@ -197,12 +205,14 @@ def agreements_of_a_save() -> collections.Counter:
   return calls
 
 
-def time_metadata(state, chunks) -> float:
+def time_metadata(state, chunks, files) -> float:
   """Seconds process 0 takes to create every array's metadata (real, on local disk)."""
   from ucp_jax.store import _location, _manifest, _writer
 
   arrays = {
-    k: _manifest.ArrayInfo(shape=s, dtype="float32", chunks=chunks[k])
+    k: _manifest.ArrayInfo(
+      shape=s, dtype="float32", chunks=chunks[k], bundle=None if files[k] == chunks[k] else files[k]
+    )
     for k, (s, _) in state.items()
   }
   with tempfile.TemporaryDirectory() as tmp:
@@ -221,8 +231,10 @@ def check_object_count() -> None:
     ucp_jax.save(path, {"a": {k[2:]: v for k, (v, _) in state.items()}}, chunk_bytes=1024)
     files = sum(len(f) for _, _, f in os.walk(path))
     shapes = {k: (v.shape, s) for k, (v, s) in state.items()}
-    chunks = {k: ucp_jax.open(path)[k].chunks for k in state}
-    assert files == objects(shapes, chunks), (files, objects(shapes, chunks))
+    stored = {k: ucp_jax.open(path)[k] for k in state}
+    assert stored["a/w"].bundle is not None  # the formula counts bundles, not chunks
+    units = {k: info.bundle or info.chunks for k, info in stored.items()}
+    assert files == objects(shapes, units), (files, objects(shapes, units))
 
 
 def describe(name: str, values: np.ndarray) -> str:
@@ -233,30 +245,34 @@ def describe(name: str, values: np.ndarray) -> str:
   )
 
 
-def simulate(label, save_mesh, restore_mesh, state, chunk_bytes, trips):
+def simulate(label, save_mesh, restore_mesh, state, chunk_bytes, bundle_bytes, trips):
   processes = save_mesh.devices.size // DEVICES_PER_PROCESS
   total = sum(int(np.prod(s)) for s, _ in state.values()) * ITEMSIZE
   print(
     f"\n{label}: {save_mesh.devices.size} devices, {processes} processes, {len(state)} arrays, "
     f"{total / 2**40:.2f} TiB"
   )
-  chunks, _, cold = plan_save(state, save_mesh, chunk_bytes, processes - 1)
-  _, _, warm = plan_save(state, save_mesh, chunk_bytes, 0)
+  chunks, files, _, cold = plan_save(state, save_mesh, chunk_bytes, bundle_bytes, processes - 1)
+  *_, warm = plan_save(state, save_mesh, chunk_bytes, bundle_bytes, 0)
   print(
     f"  planning, one process: {cold:.2f} s cold (index maps), {warm:.3f} s for the next process"
   )
-  written = bytes_written(state, save_mesh, chunks)
+  written = bytes_written(state, save_mesh, files)
   assert written.sum() == total, (written.sum(), total)
   print(describe("written per process", written))
   print(describe("... had replica 0 written it all", bytes_written_replica_zero(state, save_mesh)))
-  n = objects(state, chunks)
-  print(f"  objects per checkpoint: {n:,} ({total / n / 2**20:.1f} MiB each on average)")
+  n = objects(state, files)
+  bundled = sum(files[k] != chunks[k] for k in state)
+  print(
+    f"  objects per checkpoint: {n:,} ({total / n / 2**20:.1f} MiB each on average; "
+    f"{bundled} of {len(state)} arrays bundled, {objects(state, chunks):,} unbundled)"
+  )
   table = sum(_chunks.count(s, chunks[k]) for k, (s, _) in state.items()) * 4 * 4 / 3
   print(f"  manifest checksum tables: {table / 2**20:.1f} MiB of base64")
   print(f"  round trips per process per save: at most {trips}, whatever the process count")
   print(
     f"  process 0 creating {len(state)} arrays' metadata (local disk, durable): "
-    f"{time_metadata(state, chunks):.2f} s"
+    f"{time_metadata(state, chunks, files):.2f} s"
   )
   read, held = bytes_read(state, restore_mesh, chunks)
   print(f"  restore onto {restore_mesh.devices.size} devices {dict(restore_mesh.shape)}:")
@@ -270,15 +286,22 @@ def main() -> None:
   parser.add_argument("--chunk-mib", type=float, default=4.0, help="save's chunk_bytes (MiB)")
   parser.add_argument("--layers", type=int, default=80)
   parser.add_argument("--stacked", action="store_true", help="layers scanned: one array per kind")
+  parser.add_argument(
+    "--bundle-mib", type=float, default=_bundle.BUNDLE_BYTES / 2**20, help="0: a file per chunk"
+  )
   args = parser.parse_args()
   chunk_bytes = int(args.chunk_mib * 2**20)
+  bundle_bytes = int(args.bundle_mib * 2**20) or None
   check_object_count()
   calls = agreements_of_a_save()
   trips = sum(_ROUND_TRIPS[name] * n for name, n in calls.items())
   print(f"agreements of one save: {dict(calls)}")
   state = llama70b(args.layers, args.stacked)
-  simulate("4,096 devices", mesh(32, 16, 8), mesh(16, 32, 8), state, chunk_bytes, trips)
-  simulate("32,768 devices", mesh(256, 16, 8), mesh(240, 16, 8), state, chunk_bytes, trips)
+  for label, save, restore in (
+    ("4,096 devices", mesh(32, 16, 8), mesh(16, 32, 8)),
+    ("32,768 devices", mesh(256, 16, 8), mesh(240, 16, 8)),
+  ):
+    simulate(label, save, restore, state, chunk_bytes, bundle_bytes, trips)
   sys.stdout.flush()
 
 

@@ -250,8 +250,10 @@ def save_replicated(workdir: str) -> dict:
 
   _writer.Writer.commit = recording
   try:
-    ucp_jax.save(os.path.join(workdir, "sync"), state, step=STEP, chunk_bytes=8 << 10)
-    handle = ucp_jax.save_async(os.path.join(workdir, "async"), state, chunk_bytes=8 << 10)
+    # 8 KiB chunks in bundles of at most 4: a bundle file has one writer, so rep_big is 2
+    options = {"chunk_bytes": 8 << 10, "bundle_bytes": 32 << 10}
+    ucp_jax.save(os.path.join(workdir, "sync"), state, step=STEP, **options)
+    handle = ucp_jax.save_async(os.path.join(workdir, "async"), state, **options)
     handle.result()
   finally:
     _writer.Writer.commit = original

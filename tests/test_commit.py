@@ -253,21 +253,23 @@ def test_a_durable_save_fsyncs_every_file_and_directory(tmp_path, monkeypatch, d
 
   def fsync(fd):
     staged = os.readlink(f"/proc/self/fd/{fd}")
-    synced.add(re.sub(r"/\.ckpt\.ucp-tmp-[0-9a-f]{16}", "/ckpt", staged))  # as committed
+    synced.add(re.sub(r"/\.([^/]+)\.ucp-tmp-[0-9a-f]{16}", r"/\1", staged))  # as committed
     return real(fd)
 
   monkeypatch.setattr(os, "fsync", fsync)
   path = tmp_path / "ckpt"
   tree = {"a": np.ones((64, 16), np.float32), "b": {"c": 1}}
   ucp_jax.save(path, tree, chunk_bytes=1024, durable=durable)
+  ucp_jax.save(tmp_path / "unbundled", tree, chunk_bytes=1024, durable=durable, bundle_bytes=None)
   if not durable:
     assert synced == set()
     return
   # chunk files and the manifest (zarr.json files are written by TensorStore, which syncs them)
-  files = {str(p) for p in path.rglob("*") if p.is_file() and p.name != "zarr.json"}
-  dirs = {str(p) for p in path.rglob("*") if p.is_dir()} | {str(path)}
-  assert len(files) == 6 and files <= synced, files - synced
-  assert dirs <= synced, dirs - synced
+  for where, count in ((path, 3), (tmp_path / "unbundled", 6)):  # a's 4 chunks in one bundle
+    files = {str(p) for p in where.rglob("*") if p.is_file() and p.name != "zarr.json"}
+    dirs = {str(p) for p in where.rglob("*") if p.is_dir()} | {str(where)}
+    assert len(files) == count and files <= synced, files - synced
+    assert dirs <= synced, dirs - synced
   assert str(tmp_path) in synced  # the rename into place
 
 

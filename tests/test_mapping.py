@@ -345,12 +345,12 @@ def _file_reads() -> int:
 
 
 def _save_layers(path, n=1, shape=(16, 32)):
-  """Arrays `h.{i}.w` of `shape` stored in (4, 8) chunks (128 bytes of float32)."""
+  """Arrays `h.{i}.w` of `shape` stored in (4, 8) chunks (128 bytes of float32), a file each."""
   rng = np.random.default_rng(0)
   sd = {f"h.{i}.w": rng.standard_normal(shape).astype(np.float32) for i in range(n)}
   sharding = NamedSharding(jax.make_mesh((2, 4), ("x", "y")), P("x", "y"))  # (8, 8) shards
   params = {k: jax.device_put(v, sharding) for k, v in sd.items()}
-  ucp_jax.save(path, {"params": params}, chunk_bytes=4 * 8 * 4)
+  ucp_jax.save(path, {"params": params}, chunk_bytes=4 * 8 * 4, bundle_bytes=None)
   assert ucp_jax.open(path)["params/h.0.w"].chunks == (4, 8)
   return sd
 

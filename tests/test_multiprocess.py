@@ -164,8 +164,10 @@ def test_replicated_arrays_are_written_once_by_processes_in_turn(tmp_path):
       mine, theirs = (set(w[key]) for w in wrote)
       assert not mine & theirs, (name, key)
       assert mine | theirs == set(range(ckpt[key].checksums.size))
-    # Replicated over both processes: each writes half of every replicated shard.
+    # Replicated over both processes: each writes half of every replicated shard, in whole
+    # bundles of 4 chunks (one writer per file).
     assert [len(w["rep_big"]) for w in wrote] == [4, 4]
+    assert sorted(w["rep_big"][0] for w in wrote) == [0, 4]
     assert [len(w["half_rep"]) for w in wrote] == [4, 4]
     assert sorted(len(w["tiny"]) for w in wrote) == [0, 1]
 

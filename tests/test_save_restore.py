@@ -216,8 +216,8 @@ def test_slice_shared_by_devices_is_read_once(tmp_path, monkeypatch):
   out = ucp_jax.restore(tmp_path / "c", target)
   np.testing.assert_array_equal(np.asarray(out["w"]), data)
   assert sorted(os.path.relpath(p, tmp_path / "c" / "w") for p in reads.files) == [
-    f"c/{i}/0" for i in range(4)
-  ]  # each chunk once
+    f"c/0/0 (chunk {i}/0)" for i in range(4)
+  ]  # each chunk once, from the one file that bundles them
 
   monkeypatch.setattr(_direct, "ENABLED", False)  # the TensorStore path: one read per slice
   slice_reads = []

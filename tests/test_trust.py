@@ -22,16 +22,20 @@ from ucp_jax import rules as R
 from ucp_jax.store import _location
 
 _ids = itertools.count()
+UNBUNDLED = {"chunk_bytes": 64, "bundle_bytes": None}  # a file per (2, 8) chunk
 A = np.arange(64, dtype=np.float32).reshape(8, 8)
 B = -np.arange(64, dtype=np.float32).reshape(8, 8)
 
 
 @pytest.fixture(params=["raw", "zstd", "memory"])
 def saved(request, tmp_path):
-  """A checkpoint of two (8, 8) arrays in (2, 8) chunks, and a way to reach its chunk objects."""
+  """A checkpoint of two (8, 8) arrays in (2, 8) chunks, and a way to reach its chunk objects.
+
+  Each chunk is a file of its own here; tests/test_bundles.py damages bundled chunks.
+  """
   where = f"memory://ucp_trust_{next(_ids)}" if request.param == "memory" else tmp_path / "c"
   compression = "zstd" if request.param == "zstd" else None
-  ucp_jax.save(where, {"a": A, "b": B}, chunk_bytes=64, compression=compression)
+  ucp_jax.save(where, {"a": A, "b": B}, **UNBUNDLED, compression=compression)
   return _Chunks(where)
 
 
@@ -95,7 +99,7 @@ def test_a_chunk_of_another_save_is_an_error(saved, tmp_path):
     f"memory://ucp_trust_other_{next(_ids)}" if "memory" in str(saved.path) else tmp_path / "o"
   )
   compression = ucp_jax.open(saved.path)["a"].compression
-  ucp_jax.save(other, {"a": A + 1, "b": B}, chunk_bytes=64, compression=compression)
+  ucp_jax.save(other, {"a": A + 1, "b": B}, **UNBUNDLED, compression=compression)
   saved.put("a/c/3/0", _Chunks(other).get("a/c/3/0"))
   _every_read_fails(saved.path, ucp_jax.CorruptCheckpointError, r"a/c/3/0.*does not belong here")
 
@@ -352,7 +356,7 @@ def test_a_manifest_edited_down_to_version_1_is_refused(tmp_path):
 
 def test_a_missing_chunk_of_a_kvstore_spec_checkpoint_is_corruption_not_a_replacement(tmp_path):
   spec = {"driver": "file", "path": str(tmp_path / "s")}
-  ucp_jax.save(spec, {"a": A}, chunk_bytes=64)
+  ucp_jax.save(spec, {"a": A}, **UNBUNDLED)
   data = ucp_jax.open(spec).manifest.data
   os.remove(tmp_path / "s" / data / "a" / "c" / "1" / "0")
   with pytest.raises(ucp_jax.CorruptCheckpointError, match="a/c/1/0"):

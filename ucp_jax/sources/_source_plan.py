@@ -18,7 +18,7 @@ import numpy as np
 
 from ucp_jax._errors import SourceFormatError
 from ucp_jax.sources.torch._torch_file import InertObject, TorchDtype
-from ucp_jax.store import _keypath, _zarr
+from ucp_jax.store import _bundle, _keypath, _zarr
 from ucp_jax.store._manifest import ArrayInfo, Manifest
 
 Pieces = Callable[[], Sequence[np.ndarray]]
@@ -189,6 +189,16 @@ def _mapping(array: np.ndarray) -> mmap.mmap | None:
   return base if isinstance(base, mmap.mmap) and not base.closed else None
 
 
+def _stored_as(tensor: Tensor, shard, **fields) -> ArrayInfo:
+  """How a converted tensor is stored: chunks (and bundles) aligned to the shards the source
+  split it into, if any, so that restoring onto that split reads each shard's own bytes."""
+  dtype = np.dtype(tensor.dtype)
+  shard = shard or tensor.shape
+  chunks = _zarr.choose_chunks(tensor.shape, shard, dtype.itemsize)
+  bundle = _bundle.choose(tensor.shape, shard, chunks, dtype.itemsize)
+  return ArrayInfo(tensor.shape, _zarr.zarr_dtype(dtype), chunks, bundle=bundle, **fields)
+
+
 def layout(plan: Plan) -> tuple[dict[str, tuple[ArrayInfo, Tensor]], dict]:
   """The arrays of the plan by checkpoint key, in write order, and the manifest's schema.
 
@@ -199,9 +209,7 @@ def layout(plan: Plan) -> tuple[dict[str, tuple[ArrayInfo, Tensor]], dict]:
 
   def add(prefix: str, name: str, tensor: Tensor, role: str, shard=None) -> str:
     key = _keypath.join([prefix, name])
-    dtype = np.dtype(tensor.dtype)
-    chunks = _zarr.choose_chunks(tensor.shape, shard or tensor.shape, dtype.itemsize)
-    jobs[key] = (ArrayInfo(tensor.shape, _zarr.zarr_dtype(dtype), chunks, role=role), tensor)
+    jobs[key] = (_stored_as(tensor, shard, role=role), tensor)
     return key
 
   entries = {}
@@ -224,10 +232,7 @@ def layout(plan: Plan) -> tuple[dict[str, tuple[ArrayInfo, Tensor]], dict]:
       entries[p.name]["value"] = values.get(p.tied_to)
   buffers = {name: add("buffers", name, t, "buffer") for name, t in plan.buffers.items()}
   for key, tensor in plan.arrays.items():  # a pytree's leaves, at their own keys
-    dtype = np.dtype(tensor.dtype)
-    chunks = _zarr.choose_chunks(tensor.shape, tensor.shape, dtype.itemsize)
-    info = ArrayInfo(tensor.shape, _zarr.zarr_dtype(dtype), chunks, **tensor.info)
-    jobs[key] = (info, tensor)
+    jobs[key] = (_stored_as(tensor, None, **tensor.info), tensor)
   if plan.arrays and not plan.params and not plan.buffers:
     return jobs, plan.schema
   schema = {

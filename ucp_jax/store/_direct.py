@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
+import itertools
+import math
 import mmap
 import os
 import struct
@@ -29,7 +32,7 @@ import crc32c
 import numpy as np
 
 from ucp_jax import _errors
-from ucp_jax.store import _chunks, _hostmem, _regions
+from ucp_jax.store import _bundle, _chunks, _hostmem, _regions
 from ucp_jax.store._manifest import ArrayInfo
 
 ENABLED = sys.byteorder == "little"
@@ -54,6 +57,11 @@ def chunk_path(array_dir: str, index: tuple[int, ...]) -> str:
   return os.path.join(array_dir, "c", *map(str, index))
 
 
+_GROUP_BYTES = 8 << 20
+"""A bundle's chunks are written by one task per this many bytes: small chunks go out in one
+`pwritev` each group, large ones in parallel."""
+
+
 def write_region(
   array_dir: str,
   data: np.ndarray,
@@ -63,25 +71,51 @@ def write_region(
   *,
   record: Callable[[tuple[int, ...], int], None],
   durable: bool = True,
+  bundle: tuple[int, ...] | None = None,
 ) -> list[concurrent.futures.Future]:
-  """Starts writing `data` (the array's `region`, chunk-aligned) as chunk files.
+  """Starts writing `data` (the array's `region`, chunk-aligned) as chunk or bundle files.
 
   `record(index, crc)` is called with each chunk's checksum once it is written;
-  with `durable`, each file is fsynced by the thread that wrote it.
+  with `durable`, each file is fsynced once its last chunk is written. The chunks of
+  a bundle (`_bundle`) are written in groups of about `_GROUP_BYTES`, in parallel, each
+  at its own offset, and the index last.
   """
   data = np.asarray(data)
-  futures = []
+  layout = None if bundle is None else _bundle.Layout(shape, chunks, bundle)
+  encoded = math.prod(chunks) * data.dtype.itemsize + 4
+  bundles: dict[tuple[int, ...], list] = {}
+  jobs = []
   for index in _chunks.chunks_in(region, chunks):
     chunk = _chunks.chunk_region(index, chunks, shape)
     block = data[_regions.relative(chunk, region)]
-    path = chunk_path(array_dir, index)
-    futures.append(_POOL.submit(_write_chunk, path, index, block, chunks, record, durable))
-  return futures
+    if layout is None:
+      jobs.append(
+        (_write_chunk, chunk_path(array_dir, index), index, block, chunks, record, durable)
+      )
+    else:
+      where, _, offset = layout.slot(index, encoded)
+      bundles.setdefault(where, []).append((offset, index, block))
+  per_group = max(1, _GROUP_BYTES // encoded)
+  for where, items in bundles.items():
+    index_at, index_bytes = layout.index_bytes(where, encoded)
+    target = _BundleFile(chunk_path(array_dir, where), index_at, index_bytes, durable)
+    items.sort(key=lambda item: item[0])
+    groups = [items[i : i + per_group] for i in range(0, len(items), per_group)]
+    target.writers = len(groups)
+    jobs += [(_write_bundled, target, group, chunks, record) for group in groups]
+  return [_POOL.submit(*job) for job in jobs]
+
+
+_IOV_MAX = 1024  # buffers one `pwritev` takes (os.sysconf("SC_IOV_MAX") on Linux)
+
+
+def _encode(block: np.ndarray, chunks) -> tuple[memoryview, int]:
+  raw = _chunks.raw_bytes(_chunks.padded(block, chunks))  # an edge chunk is stored padded
+  return raw, crc32c.crc32c(raw)
 
 
 def _write_chunk(path: str, index, block: np.ndarray, chunks, record, durable: bool) -> None:
-  raw = _chunks.raw_bytes(_chunks.padded(block, chunks))  # an edge chunk is stored padded
-  crc = crc32c.crc32c(raw)
+  raw, crc = _encode(block, chunks)
   try:
     _makedirs(os.path.dirname(path))
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
@@ -96,11 +130,71 @@ def _write_chunk(path: str, index, block: np.ndarray, chunks, record, durable: b
   record(index, crc)
 
 
-def _write_all(fd: int, parts: list) -> None:
-  """`os.writev` until every byte is written (one call writes at most ~2 GiB on Linux)."""
+def _write_bundled(target: _BundleFile, group: list, chunks, record) -> None:
+  """Writes a group of chunks of one bundle (sorted by offset), each run of adjacent ones
+  with one `pwritev`."""
+  encoded = [(offset, index, *_encode(block, chunks)) for offset, index, block in group]
+  try:
+    try:
+      fd = target.fd()
+      start, end, parts = encoded[0][0], encoded[0][0], []
+      for offset, _, raw, crc in encoded:
+        if offset != end or len(parts) >= _IOV_MAX:
+          _write_all(fd, parts, start)
+          start, end, parts = offset, offset, []
+        parts += [raw, struct.pack("<I", crc)]
+        end += raw.nbytes + 4
+      _write_all(fd, parts, start)
+    finally:
+      target.done()
+  except OSError as e:
+    raise OSError(e.errno, e.strerror, e.filename or target.path) from e
+  for _, index, _, crc in encoded:
+    record(index, crc)
+
+
+class _BundleFile:
+  """One bundle file being written by several tasks: opened by the first; its index written,
+  the file fsynced and closed by the last. Not truncated: a bundle written in several calls
+  keeps what the earlier ones wrote (the staging folder is new, so nothing else is there)."""
+
+  def __init__(self, path: str, index_at: int, index: bytes, durable: bool):
+    self.path, self._index_at, self._index, self._durable = path, index_at, index, durable
+    self.writers = 0  # set before the writes start; each calls `done` once
+    self._fd: int | None = None
+    self._lock = threading.Lock()
+
+  def fd(self) -> int:
+    with self._lock:
+      if self._fd is None:
+        _makedirs(os.path.dirname(self.path))
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+      return self._fd
+
+  def done(self) -> None:
+    with self._lock:
+      self.writers -= 1
+      if self.writers or self._fd is None:
+        return
+      fd, self._fd = self._fd, None
+    try:
+      _write_all(fd, [self._index], self._index_at)  # last: the file grows once, in order
+      if self._durable:
+        os.fsync(fd)
+    finally:
+      os.close(fd)
+
+
+def _write_all(fd: int, parts: list, offset: int | None = None) -> None:
+  """`os.writev` (`os.pwritev` at `offset`) until every byte is written (one call writes at
+  most ~2 GiB on Linux)."""
   views = [memoryview(p).cast("B") for p in parts]
   while views:
-    written = os.writev(fd, views)
+    if offset is None:
+      written = os.writev(fd, views)
+    else:
+      written = os.pwritev(fd, views, offset)
+      offset += written
     while written and views:
       if written >= views[0].nbytes:
         written -= views[0].nbytes
@@ -150,9 +244,103 @@ class ArrayFiles:
   info: ArrayInfo
   pin: object = dataclasses.field(default=None, compare=False, repr=False)
 
-  def chunk(self, index: tuple[int, ...]) -> tuple[str, str]:
-    """(path to open, path to show) of chunk `index`."""
-    return chunk_path(self.io_dir, index), chunk_path(self.shown_dir, index)
+  @functools.cached_property
+  def _bundles(self) -> tuple[_bundle.Layout, int, dict, threading.Lock] | None:
+    """(layout, encoded chunk size, indexes read so far, their lock) of a bundled array."""
+    info = self.info
+    if info.bundle is None:
+      return None
+    encoded = math.prod(info.chunks) * np.dtype(info.dtype).itemsize + 4
+    return _bundle.Layout(info.shape, info.chunks, info.bundle), encoded, {}, threading.Lock()
+
+  def chunk(self, index: tuple[int, ...]) -> tuple[str, str, int | None]:
+    """(path to open, path to show, byte offset) of chunk `index`, without reading anything.
+
+    The offset is None for a chunk that is a file of its own; in a bundle it is where a
+    save puts the chunk (`_bundle`). A read there that fails its checks looks the chunk up
+    in the bundle's index (`indexed`), which a writer of another layout would have followed.
+    """
+    if self._bundles is None:
+      return chunk_path(self.io_dir, index), chunk_path(self.shown_dir, index), None
+    layout, encoded, _, _ = self._bundles
+    where, _, offset = layout.slot(index, encoded)
+    return chunk_path(self.io_dir, where), _shown(self.shown_dir, where, index), offset
+
+  def indexed(self, index: tuple[int, ...]) -> tuple[str, str, int] | None:
+    """Where the bundle's index puts chunk `index`, when that is not where `chunk` looked
+    (None: the same place, or not bundled).
+
+    Raises:
+      CorruptCheckpointError: the bundle file is missing, or its index is damaged, points
+        past its chunks, marks the chunk missing or gives it the wrong size.
+    """
+    if self._bundles is None:
+      return None
+    layout, encoded, tables, lock = self._bundles
+    where, entry, canonical = layout.slot(index, encoded)
+    path, shown = chunk_path(self.io_dir, where), _shown(self.shown_dir, where, index)
+    with lock:  # the chunks of a bundle are read by several threads at once
+      table = tables.get(where)
+      if table is None:
+        table = tables[where] = _read_index(self, path, chunk_path(self.shown_dir, where))
+    offset, nbytes = (int(n) for n in table[entry])
+    if offset == _bundle.MISSING and nbytes == _bundle.MISSING:
+      raise _errors.CorruptCheckpointError(f"{shown}: `{self.key}`: chunk missing from its bundle")
+    if nbytes != encoded:
+      raise _errors.CorruptCheckpointError(
+        f"{shown}: `{self.key}`: the bundle's index gives the chunk {nbytes} bytes, "
+        f"expected {encoded}"
+      )
+    return None if offset == canonical else (path, shown, offset)
+
+  def index_problems(self) -> list[str]:
+    """How the bundle files' indexes disagree with where a save put their chunks (for
+    `verify`: reads here find the chunks without the index, zarr readers follow it)."""
+    if self._bundles is None:
+      return []
+    layout, encoded, _, _ = self._bundles
+    problems = []
+    for where in itertools.product(*(range(n) for n in _chunks.grid(layout.shape, layout.bundle))):
+      index_at, expected = layout.index_bytes(where, encoded)
+      shown = chunk_path(self.shown_dir, where)
+      try:
+        with open(chunk_path(self.io_dir, where), "rb", buffering=0) as f:
+          size = os.fstat(f.fileno()).st_size
+          f.seek(index_at)
+          found = f.read(len(expected) + 1)
+      except OSError as e:
+        problems.append(f"{shown}: cannot read the bundle file: {e.strerror}")
+        continue
+      if size != index_at + len(expected) or found != expected:
+        problems.append(f"{shown}: its index does not give the places of the chunks it holds")
+    return problems
+
+
+def _shown(shown_dir: str, where: tuple[int, ...], index: tuple[int, ...]) -> str:
+  return f"{chunk_path(shown_dir, where)} (chunk {'/'.join(map(str, index))})"
+
+
+def _read_index(files: ArrayFiles, path: str, shown: str) -> np.ndarray:
+  """The checked index table of the bundle file at `path`."""
+  layout = files._bundles[0]
+  try:
+    with open(path, "rb", buffering=0) as f:
+      size = os.fstat(f.fileno()).st_size
+      data_end = size - layout.index_nbytes
+      f.seek(max(0, data_end))
+      raw = f.read(layout.index_nbytes + 1)
+  except FileNotFoundError:
+    raise _errors.CorruptCheckpointError(f"{shown}: `{files.key}`: bundle file missing") from None
+  except OSError as e:
+    raise _store_error(e, shown, files.key) from e
+  table = _bundle.decode_index(raw, layout.places)
+  if isinstance(table, np.ndarray):
+    present = table[:, 0] != _bundle.MISSING
+    ends = table[present, 0] + table[present, 1]  # uint64: a wrapped sum is caught below
+    if not (ends.size and (ends.max() > data_end or (ends < table[present, 0]).any())):
+      return table
+    table = "its index points past the chunks it holds"
+  raise _errors.CorruptCheckpointError(f"{shown}: `{files.key}`: bad bundle file: {table}")
 
 
 def start_read(files: ArrayFiles, regions: list[Region]):
@@ -204,25 +392,39 @@ def mapped_chunk(files: ArrayFiles, index: tuple[int, ...]) -> np.ndarray:
   For a chunk that is copied into several slices anyway, this saves one copy. The mapping
   goes when the array does.
   """
+  try:
+    return _mapped(files, index, *files.chunk(index))
+  except _errors.CorruptCheckpointError:
+    moved = files.indexed(index)
+    if moved is None:
+      raise
+    return _mapped(files, index, *moved)
+
+
+def _mapped(files: ArrayFiles, index, path: str, shown: str, offset: int | None) -> np.ndarray:
   info = files.info
   dtype = np.dtype(info.dtype)
   nbytes = int(np.prod(info.chunks)) * dtype.itemsize
-  path, shown = files.chunk(index)
+  start = offset or 0
+  base = start - start % mmap.ALLOCATIONGRANULARITY
   try:
     with open(path, "rb", buffering=0) as f:
       size = os.fstat(f.fileno()).st_size
-      if size == nbytes + 4 and nbytes:
+      whole = (size == nbytes + 4) if offset is None else (start + nbytes + 4 <= size)
+      if whole and nbytes:
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        mapped = mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ)
+        mapped = mmap.mmap(
+          f.fileno(), start + nbytes + 4 - base, flags=flags, prot=mmap.PROT_READ, offset=base
+        )
   except FileNotFoundError:
     raise _errors.CorruptCheckpointError(f"{shown}: `{files.key}`: chunk file missing") from None
   except OSError as e:
     raise _store_error(e, shown, files.key) from e
-  if size != nbytes + 4 or not nbytes:  # an empty chunk, or a short one (read_chunk_into says so)
+  if not whole or not nbytes:  # an empty chunk, or a short one (_read_into says so)
     buffer = np.empty(info.chunks, dtype)
-    read_chunk_into(files, index, buffer)
+    _read_into(files, index, buffer, path, shown, offset)
     return buffer
-  raw = np.frombuffer(mapped, np.uint8)
+  raw = np.frombuffer(mapped, np.uint8)[start - base :]
   stored = struct.unpack("<I", raw[nbytes:].tobytes())[0]
   _check(files, index, shown, stored, crc32c.crc32c(raw[:nbytes]))
   return raw[:nbytes].view(dtype).reshape(info.chunks)
@@ -230,12 +432,23 @@ def mapped_chunk(files: ArrayFiles, index: tuple[int, ...]) -> np.ndarray:
 
 def read_chunk_into(files: ArrayFiles, index: tuple[int, ...], out: np.ndarray) -> None:
   """Reads the whole (padded) chunk `index` into the C-contiguous `out`, checked."""
-  path, shown = files.chunk(index)
+  try:
+    _read_into(files, index, out, *files.chunk(index))
+  except _errors.CorruptCheckpointError:
+    moved = files.indexed(index)
+    if moved is None:
+      raise
+    _read_into(files, index, out, *moved)
+
+
+def _read_into(files: ArrayFiles, index, out, path: str, shown: str, offset: int | None) -> None:
   raw = memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(bytearray())
   try:
     with open(path, "rb", buffering=0) as f:
+      if offset is not None:
+        f.seek(offset)
       got = _read_all(f, raw) if out.size else 0
-      tail = f.read(5)
+      tail = f.read(5 if offset is None else 4)  # a chunk file ends with its checksum
   except FileNotFoundError:
     raise _errors.CorruptCheckpointError(f"{shown}: `{files.key}`: chunk file missing") from None
   except OSError as e:

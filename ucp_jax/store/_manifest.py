@@ -3,7 +3,8 @@
 Since format version 2 it carries a sha256 of its own content (`checksum`), the
 crc32c of every chunk by position (`chunk_crc32c` per array, see `_chunks`), and,
 on object stores, the prefix below the root where this save's arrays live (`data`).
-Version 1 checkpoints, without these, are still read.
+Since version 3 an array's chunks may be bundled into fewer files (`bundle`, see
+`_bundle`). Version 1 and 2 checkpoints are still read.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ from typing import Any
 import numpy as np
 
 from ucp_jax import _errors
-from ucp_jax.store import _chunks, _keypath, _location
+from ucp_jax.store import _bundle, _chunks, _keypath, _location
 
 FORMAT = "ucp_jax"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 MANIFEST_KEY = "manifest.json"
 _DATA_PREFIX = re.compile(r"^g[0-9a-f]{16}/$")
 
@@ -41,6 +42,8 @@ class ArrayInfo:
     prng_impl: for PRNG keys, the implementation name (`threefry2x32`, ...).
     role: optional meaning in the universal schema (`value`, `exp_avg`, ...).
     compression: the chunk codec, None when chunks are stored raw.
+    bundle: the shape of the blocks of chunks stored together in one file (zarr's
+      `sharding_indexed`, see `_bundle`); None when each chunk is its own file.
     checksums: the crc32c of every chunk, shaped as the chunk grid (`_chunks`);
       None in format version 1 checkpoints and before a save commits.
   """
@@ -53,6 +56,7 @@ class ArrayInfo:
   prng_impl: str | None = None
   role: str | None = None
   compression: str | None = None
+  bundle: tuple[int, ...] | None = None
   checksums: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
 
   @property
@@ -68,6 +72,8 @@ class ArrayInfo:
       value = getattr(self, name)
       if value is not None and not (name == "kind" and value == "array"):
         out[name] = value
+    if self.bundle is not None:
+      out["bundle"] = list(self.bundle)
     if checksums and self.checksums is not None:
       out["chunk_crc32c"] = _chunks.encode(self.checksums)
     return out
@@ -83,6 +89,7 @@ class ArrayInfo:
       prng_impl=data.get("prng_impl"),
       role=data.get("role"),
       compression=data.get("compression"),
+      bundle=None if data.get("bundle") is None else tuple(data["bundle"]),
     )
 
   def expected_crc(self, index: tuple[int, ...]) -> int | None:
@@ -245,7 +252,9 @@ def _array_info(key: str, data: Any, where: str, sealed: bool) -> ArrayInfo:
     problem = f"shape {list(info.shape)} / chunks {list(info.chunks)} are not sizes"
   elif len(info.chunks) != len(info.shape) or not all(info.chunks):
     problem = f"chunks {list(info.chunks)} do not fit shape {list(info.shape)}"
-  else:
+  elif info.bundle is not None:
+    problem = _bundle.check(info.shape, info.chunks, info.bundle)
+  if problem is None:
     problem = _dtype_problem(info.dtype) or _fields_problem(info)
   if problem is None and sealed:
     checked = _attach_checksums(info, data.get("chunk_crc32c"))

@@ -20,7 +20,7 @@ import numpy as np
 import tensorstore as ts
 
 from ucp_jax import _errors
-from ucp_jax.store import _chunks, _commit, _direct, _location, _manifest, _verify, _zarr
+from ucp_jax.store import _bundle, _chunks, _commit, _direct, _location, _manifest, _verify, _zarr
 
 
 class Checkpoint:
@@ -326,7 +326,7 @@ class _ZarrChunks:
         if expected is not None:
           computed = crc32c.crc32c(_chunks.raw_bytes(_chunks.padded(data, info.chunks)))
           if computed != expected:
-            shown = f"{self._where}/c" + "".join(f"/{i}" for i in index)
+            shown = f"{self._where}/{_bundle.chunk_name(info, index)}"
             message = _direct.misplaced(shown, self._key, computed, expected)
             raise _errors.CorruptCheckpointError(message)
         out[...] = data

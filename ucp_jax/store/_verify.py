@@ -20,8 +20,8 @@ _BLOCK_BYTES = 64 << 20
 def verify(ckpt: Checkpoint, on_array: Callable[[str, int], None] | None = None) -> dict[str, str]:
   """Problems found, by key (empty when the checkpoint is sound).
 
-  Checks, for every array: the zarr metadata agrees with the manifest, the chunk
-  files are exactly those of the chunk grid (none missing, none extra), and every
+  Checks, for every array: the zarr metadata agrees with the manifest, the chunk (or
+  bundle) files are exactly those of the grid (none missing, none extra), and every
   chunk reads back with a valid crc32c that is the one the manifest recorded for
   its place. `on_array(key, nbytes)` is called after each array, for progress.
   """
@@ -57,11 +57,12 @@ def _check_array(ckpt: Checkpoint, kvstore, key: str) -> str | None:
   expected = set(_chunk_names(info))
   if expected - found:
     missing = len(expected - found)
-    return f"{missing} of {len(expected)} chunks missing: {_missing(ckpt, key, found)}"
+    what = "bundle files" if info.bundle else "chunks"
+    return f"{missing} of {len(expected)} {what} missing: {_missing(ckpt, key, found)}"
   if found - expected:
     extra = sorted(found - expected)
     shown = ", ".join(f"{ckpt.data}/{key}/{name}" for name in extra[:3])
-    return f"{len(extra)} chunk files outside the chunk grid: {shown}" + (
+    return f"{len(extra)} files outside the chunk grid: {shown}" + (
       ", ..." if len(extra) > 3 else ""
     )
   step = max(1, _BLOCK_BYTES // max(1, math.prod(info.shape[1:]) * np.dtype(info.dtype).itemsize))
@@ -78,12 +79,16 @@ def _check_array(ckpt: Checkpoint, kvstore, key: str) -> str | None:
       _zarr.wait_read(ckpt.location, key, pending.pop(0))
   for f in pending:
     _zarr.wait_read(ckpt.location, key, f)
+  files = ckpt.files(key)  # read without the bundles' indexes: check they agree
+  bad = files.index_problems() if files is not None else []
+  if bad:
+    return f"{len(bad)} bundle files with a wrong index: " + "; ".join(bad[:3])
   return None
 
 
 def _chunk_names(info) -> Iterator[str]:
-  """The chunk keys of an array, relative to it (`c/0/1`; `c` for a 0-d array)."""
-  grid = [range(n) for n in _chunks.grid(info.shape, info.chunks)]
+  """The chunk (or bundle) keys of an array, relative to it (`c/0/1`; `c` for a 0-d array)."""
+  grid = [range(n) for n in _chunks.grid(info.shape, info.bundle or info.chunks)]
   return ("/".join(["c", *map(str, index)]) for index in itertools.product(*grid))
 
 

@@ -94,6 +94,23 @@ def every_of_sharding(key: str, sharding: Any, shape: Sequence[int], chunks: Seq
   return every_assignment(key, *_sharding_args(sharding, shape), shape, chunks, _process_of)
 
 
+def writers(sharding: Any, shape: Sequence[int]) -> int:
+  """How many processes hold a replica of the most replicated shard (1 with one process)."""
+  cache_key = ("writers", sharding, tuple(shape))
+  if cache_key not in _CACHE:
+    if len(_CACHE) >= _CACHE_SIZE:
+      _CACHE.clear()
+    if len({_process_of(d) for d in sharding.device_set}) <= 1:
+      _CACHE[cache_key] = 1
+      return 1
+    holders: dict[tuple, set[int]] = {}
+    for device, index in sharding.devices_indices_map(tuple(shape)).items():
+      region = _regions.normalize(index, shape)
+      holders.setdefault(tuple((s.start, s.stop) for s in region), set()).add(_process_of(device))
+    _CACHE[cache_key] = max(len(p) for p in holders.values())
+  return _CACHE[cache_key]
+
+
 def _sharding_args(sharding: Any, shape: Sequence[int]):
   return lambda: sharding.devices_indices_map(tuple(shape)), (sharding, tuple(shape))
 
@@ -102,7 +119,7 @@ def _process_of(device: Any) -> int:
   return device.process_index
 
 
-_CACHE: dict[Hashable, _Layout] = {}
+_CACHE: dict[Hashable, Any] = {}  # layouts, and `writers` counts
 _CACHE_SIZE = 512
 
 

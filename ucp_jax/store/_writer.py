@@ -138,6 +138,7 @@ class Writer:
           dtype=np.dtype(info.dtype),
           chunks=info.chunks,
           compression=compression,
+          bundle=info.bundle,
         ),
         self._durable,
       )
@@ -201,6 +202,7 @@ class Writer:
         info.shape,
         record=table.set,
         durable=self._durable,
+        bundle=info.bundle,
       )
       self._inflight += futures
       return _AllOf(futures)
@@ -214,7 +216,8 @@ class Writer:
     return future
 
   def write_array(self, key: str, value: np.ndarray, index: tuple[slice, ...] | None = None):
-    """Starts writing host data into `key` (all of it, or the chunk-aligned region `index`).
+    """Starts writing host data into `key` (all of it, or the chunk-aligned region `index`;
+    several writes into one bundle must come from one process).
 
     Returns an object whose `.result()` waits for the write.
     """
@@ -342,9 +345,8 @@ def _jax_pieces(entry: Entry) -> list[tuple[Entry, tuple, Any, tuple]]:
       if s.replica_id == 0
       for region in [_regions.normalize(s.index, shape)]
     ]
-  plan = _write_plan.of_sharding(
-    entry.key, value.sharding, shape, entry.info.chunks, _multihost.process_index()
-  )
+  unit = entry.info.bundle or entry.info.chunks  # a bundle file has one writer
+  plan = _write_plan.of_sharding(entry.key, value.sharding, shape, unit, _multihost.process_index())
   pieces = []
   for shard in value.addressable_shards:
     origin = _regions.normalize(shard.index, shape)
@@ -374,12 +376,12 @@ _ENTRY = np.dtype([("array", "<u4"), ("chunk", "<u8"), ("crc", "<u4")])
 
 
 def _array_dirs(root: str, arrays: dict[str, _manifest.ArrayInfo]) -> set[str]:
-  """Every directory a local save created: groups, arrays, and chunk folders."""
+  """Every directory a local save created: groups, arrays, and chunk (or bundle) folders."""
   dirs = {root}
   for key, info in arrays.items():
     parts = key.split("/")
     dirs.update(os.path.join(root, *parts[:i]) for i in range(1, len(parts) + 1))
-    grid = _chunks.grid(info.shape, info.chunks)
+    grid = _chunks.grid(info.shape, info.bundle or info.chunks)
     if len(grid) >= 1 and all(grid):
       dirs.add(os.path.join(root, key, "c"))
       for depth in range(1, len(grid)):

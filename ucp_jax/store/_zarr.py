@@ -42,12 +42,12 @@ def choose_chunks(
   """
   chunk = [max(1, s) for s in shard_shape]
   sharded = [s < full for s, full in zip(shard_shape, shape)]
-  while math.prod(chunk) * itemsize > limit and _split_once(chunk, sharded):
+  while math.prod(chunk) * itemsize > limit and split_once(chunk, sharded):
     pass
   return tuple(chunk)
 
 
-def _split_once(chunk: list[int], sharded: list[bool]) -> bool:
+def split_once(chunk: list[int], sharded: list[bool]) -> bool:
   """Splits the leading splittable dimension in place; a prime shard only as a last resort."""
   for allow_prime in (False, True):
     for i in range(len(chunk)):
@@ -78,20 +78,29 @@ def array_spec(
   dtype: np.dtype,
   chunks: Sequence[int],
   compression: str | None = None,
+  bundle: Sequence[int] | None = None,
 ) -> dict:
-  """A TensorStore spec that creates the zarr v3 array for `key`."""
+  """A TensorStore spec that creates the zarr v3 array for `key` (`bundle`: see `_bundle`)."""
   check_compression(compression)
-  codecs: list[dict] = [{"name": "bytes", "configuration": {"endian": "little"}}]
+  codecs: list[dict] = [_LITTLE_ENDIAN]
   if compression == "zstd":
     codecs.append({"name": "zstd", "configuration": {"level": 3}})
   codecs.append({"name": "crc32c"})
+  if bundle is not None:
+    sharding = {
+      "chunk_shape": list(chunks),
+      "codecs": codecs,
+      "index_codecs": [_LITTLE_ENDIAN, {"name": "crc32c"}],
+      "index_location": "end",
+    }
+    codecs = [{"name": "sharding_indexed", "configuration": sharding}]
   return {
     "driver": "zarr3",
     "kvstore": location.kvstore_spec(key),
     "metadata": {
       "shape": list(shape),
       "data_type": zarr_dtype(dtype),
-      "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunks)}},
+      "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(bundle or chunks)}},
       "chunk_key_encoding": {"name": "default"},
       "codecs": codecs,
       "fill_value": _fill_value(dtype),
@@ -101,6 +110,8 @@ def array_spec(
     "store_data_equal_to_fill_value": True,  # every chunk exists, so `verify` can count them
   }
 
+
+_LITTLE_ENDIAN = {"name": "bytes", "configuration": {"endian": "little"}}
 
 COMPRESSIONS = (None, "zstd")
 
@@ -157,13 +168,17 @@ def metadata_problem(stored: ts.TensorStore, info) -> str | None:
   The manifest is sealed and `zarr.json` is not: TensorStore decodes by `zarr.json`, so a
   read through it must first check that it describes what the manifest says.
   """
-  chunks = tuple(stored.chunk_layout.read_chunk.shape or ())
-  found = (tuple(stored.shape), stored.dtype.numpy_dtype, chunks)
-  if found == (tuple(info.shape), np.dtype(info.dtype), tuple(info.chunks)):
+  layout = stored.chunk_layout
+  chunks = tuple(layout.read_chunk.shape or ())
+  files = tuple(layout.write_chunk.shape or ())
+  found = (tuple(stored.shape), stored.dtype.numpy_dtype, chunks, files)
+  wanted = (tuple(info.shape), np.dtype(info.dtype), tuple(info.chunks))
+  if found == (*wanted, tuple(info.bundle or info.chunks)):
     return None
   return (
-    f"zarr metadata says {found[0]} {found[1]} in chunks {chunks}, the manifest "
-    f"{info.shape} {info.dtype} in chunks {info.chunks}"
+    f"zarr metadata says {found[0]} {found[1]} in chunks {chunks} (files of {files}), the "
+    f"manifest {info.shape} {info.dtype} in chunks {info.chunks} (files of "
+    f"{tuple(info.bundle or info.chunks)})"
   )
 
 

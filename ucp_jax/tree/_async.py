@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ucp_jax.store import _location, _manifest, _multihost, _writer, _zarr
+from ucp_jax.store import _bundle, _location, _manifest, _multihost, _writer, _zarr
 from ucp_jax.tree import _pending, _save
 from ucp_jax.tree._pending import SaveHandle as SaveHandle
 
@@ -60,6 +60,7 @@ def save_async(
   compression: str | None = None,
   max_host_bytes: int = _save.DEFAULT_HOST_BYTES,
   chunk_bytes: int = _zarr.CHUNK_BYTES,
+  bundle_bytes: int | None = _bundle.BUNDLE_BYTES,
   durable: bool = True,
   schema: dict | None = None,
   source: dict | None = None,
@@ -91,6 +92,7 @@ def save_async(
     compression: None (default) or "zstd".
     max_host_bytes: bound on bytes handed to the store at once while writing.
     chunk_bytes: largest zarr chunk.
+    bundle_bytes: largest bundle of chunks in one file (see `save`); None: a file per chunk.
     durable: fsync before the commit (see `save`).
     schema: universal parameter schema (filled by the Flax/Optax helpers).
     source: description of where the state came from (filled by converters).
@@ -110,6 +112,7 @@ def save_async(
     step=step,
     metadata=metadata,
     chunk_bytes=chunk_bytes,
+    bundle_bytes=bundle_bytes,
     schema=schema,
     source=source,
   )

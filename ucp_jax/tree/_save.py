@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from ucp_jax import _errors
-from ucp_jax.store import _keypath, _location, _manifest, _multihost, _zarr
+from ucp_jax.store import _bundle, _keypath, _location, _manifest, _multihost, _write_plan, _zarr
 from ucp_jax.store._writer import Entry
 from ucp_jax.store._writer import Writer as Writer
 from ucp_jax.store._writer import together as _together
@@ -32,6 +32,7 @@ def save(
   compression: str | None = None,
   max_host_bytes: int = DEFAULT_HOST_BYTES,
   chunk_bytes: int = _zarr.CHUNK_BYTES,
+  bundle_bytes: int | None = _bundle.BUNDLE_BYTES,
   durable: bool = True,
   schema: dict | None = None,
   source: dict | None = None,
@@ -60,6 +61,9 @@ def save(
     compression: None (default: the disk is faster than the codec) or "zstd".
     max_host_bytes: bound on array bytes held in host memory at once.
     chunk_bytes: largest zarr chunk; chunks align to the shards and split below this.
+    bundle_bytes: largest bundle of chunks stored as one file (zarr's sharding codec):
+      each shard's chunks go in one file, or several when it is larger than this. None
+      writes one file per chunk.
     durable: fsync every file and directory before the commit (the default), so that a
       committed checkpoint survives a power loss or kernel crash; False skips the
       fsyncs (faster, for checkpoints that are cheap to lose).
@@ -76,7 +80,13 @@ def save(
 
   def plan() -> tuple[list[Entry], _manifest.Manifest]:
     return prepare(
-      tree, step=step, metadata=metadata, chunk_bytes=chunk_bytes, schema=schema, source=source
+      tree,
+      step=step,
+      metadata=metadata,
+      chunk_bytes=chunk_bytes,
+      bundle_bytes=bundle_bytes,
+      schema=schema,
+      source=source,
     )
 
   # A tree rejected on one process only must stop every process, not leave them waiting.
@@ -101,13 +111,15 @@ def prepare(
   step: int | None,
   metadata: dict | None,
   chunk_bytes: int,
+  bundle_bytes: int | None = _bundle.BUNDLE_BYTES,
   schema: dict | None,
   source: dict | None,
 ) -> tuple[list[Entry], _manifest.Manifest]:
   """What `save` writes: an entry per leaf, and the manifest (raises for bad leaves)."""
   _zarr.check_chunk_bytes(chunk_bytes)
+  _bundle.check_limit(bundle_bytes)
   flat, _ = _tree.flatten(tree)
-  entries = _plan(flat, chunk_bytes)
+  entries = _plan(flat, chunk_bytes, bundle_bytes)
   manifest = _manifest.Manifest(
     arrays={e.key: e.info for e in entries},
     tree=_keypath.structure(list(flat)),
@@ -137,11 +149,11 @@ def write(
     writer.commit(manifest)
 
 
-def _plan(flat: dict[str, Any], chunk_bytes: int) -> list[Entry]:
+def _plan(flat: dict[str, Any], chunk_bytes: int, bundle_bytes: int | None) -> list[Entry]:
   """Classifies every leaf, collecting every unsupported one before raising."""
   entries, bad = [], []
   for key, leaf in flat.items():
-    entry = _entry(key, leaf, chunk_bytes)
+    entry = _entry(key, leaf, chunk_bytes, bundle_bytes)
     if entry is None:
       bad.append(f"{key}: {type(leaf).__module__}.{type(leaf).__qualname__}")
     else:
@@ -160,13 +172,14 @@ def _plan(flat: dict[str, Any], chunk_bytes: int) -> list[Entry]:
   return entries
 
 
-def _entry(key: str, leaf: Any, chunk_bytes: int) -> Entry | None:
-  kind, python_type, impl = "array", None, None
+def _entry(key: str, leaf: Any, chunk_bytes: int, bundle_bytes: int | None) -> Entry | None:
+  kind, python_type, impl, writers = "array", None, None, 1
   if isinstance(leaf, jax.Array):
     if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
       kind, impl = "prng_key", str(jax.random.key_impl(leaf))
       leaf = jax.random.key_data(leaf)
     shard_shape = leaf.sharding.shard_shape(leaf.shape)
+    writers = _write_plan.writers(leaf.sharding, leaf.shape)
     value = leaf
   elif type(leaf) in PY_SCALARS:
     python_type, np_type = PY_SCALARS[type(leaf)]
@@ -180,10 +193,13 @@ def _entry(key: str, leaf: Any, chunk_bytes: int) -> Entry | None:
   if not _storable(value.dtype):
     return None
   dtype = np.dtype(value.dtype)
+  shape = tuple(int(d) for d in value.shape)
+  chunks = _zarr.choose_chunks(shape, shard_shape, dtype.itemsize, chunk_bytes)
   info = _manifest.ArrayInfo(
-    shape=tuple(int(d) for d in value.shape),
+    shape=shape,
     dtype=_zarr.zarr_dtype(dtype),
-    chunks=_zarr.choose_chunks(value.shape, shard_shape, dtype.itemsize, chunk_bytes),
+    chunks=chunks,
+    bundle=_bundle.choose(shape, shard_shape, chunks, dtype.itemsize, bundle_bytes, writers),
     kind=kind,
     python_type=python_type,
     prng_impl=impl,

@@ -1,0 +1,153 @@
+"""Bundles: several chunks of one array in one file, as zarr v3's `sharding_indexed` codec lays
+them out, so a checkpoint holds a few objects per array and writer, not one per chunk.
+
+A bundle (a zarr "shard", a name this package keeps for jax's shards) is a block of the
+chunk grid: the chunks of one device's shard, split further only when larger than
+`BUNDLE_BYTES`, so every bundle has exactly one writer. Its file holds the encoded
+chunks that lie in the array, in C order of the bundle's chunk grid, then the index:
+one little-endian (offset, nbytes) uint64 pair per chunk place, `2**64 - 1` twice for a
+place outside the array, and the crc32c of the index. This is byte for byte what
+TensorStore writes (and zarr-python reads). For raw chunks every encoded chunk has the
+same size, so a writer knows every chunk's offset before writing any: the chunks of a
+bundle are written in parallel with `pwrite`, and the index first.
+
+A restore reads the index, then only the byte ranges of the chunks under its slice;
+each chunk is still checked against its own crc32c and the manifest's entry for its
+place, so the index only says where to look, never what to trust.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import crc32c
+import numpy as np
+
+from ucp_jax import _errors
+from ucp_jax.store import _chunks, _zarr
+
+BUNDLE_BYTES = 256 << 20
+"""Largest bundle written by default: one object per device shard below it, several above."""
+
+SPREAD_BYTES = 16 << 20
+"""Largest bundle of a shard that several processes hold (replicated over a data-parallel
+axis): they share its writing in whole bundles, so it is cut finer (docs/scale.md)."""
+
+MISSING = 2**64 - 1
+"""An index entry's offset and size for a chunk place with no chunk (outside the array)."""
+
+
+def choose(
+  shape: Sequence[int],
+  shard_shape: Sequence[int],
+  chunks: Sequence[int],
+  itemsize: int,
+  limit: int | None = BUNDLE_BYTES,
+  writers: int = 1,
+) -> tuple[int, ...] | None:
+  """The bundle shape for an array chunked as `chunks` and saved in shards of `shard_shape`.
+
+  None (one file per chunk) when bundling is off (`limit` None), for 0-d and empty
+  arrays, and when a bundle would hold a single chunk. A bundle is the shard along
+  sharded dimensions (the chunks divide it) and the whole padded extent along the
+  others, then halved like a chunk is (`_zarr.choose_chunks`), in whole chunks, while
+  larger than `limit`, or than `SPREAD_BYTES` when `writers` (the processes that hold
+  each shard) share the writing.
+  """
+  if limit is None or not shape or not math.prod(shape):
+    return None
+  if writers > 1:
+    limit = min(limit, SPREAD_BYTES)
+  sharded = [s < full for s, full in zip(shard_shape, shape)]
+  counts = [
+    max(1, s // c) if cut else -(-d // c)
+    for s, c, d, cut in zip(shard_shape, chunks, shape, sharded)
+  ]
+  chunk_bytes = math.prod(chunks) * itemsize
+  while math.prod(counts) * chunk_bytes > limit and _zarr.split_once(counts, sharded):  # as chunks
+    pass
+  if math.prod(counts) <= 1:
+    return None
+  return tuple(n * c for n, c in zip(counts, chunks))
+
+
+def check_limit(bundle_bytes: int | None) -> None:
+  if bundle_bytes is not None and (
+    isinstance(bundle_bytes, bool) or not isinstance(bundle_bytes, int) or bundle_bytes <= 0
+  ):
+    raise _errors.InvalidArgumentError(
+      f"bundle_bytes={bundle_bytes!r}: the largest bundle must be a positive number of bytes, "
+      f"or None for a file per chunk (default {BUNDLE_BYTES})"
+    )
+
+
+def check(shape: Sequence[int], chunks: Sequence[int], bundle: Sequence[int]) -> str | None:
+  """Why `bundle` cannot be a bundle shape of this array (None: it can)."""
+  if len(bundle) != len(shape) or not all(
+    isinstance(b, int) and not isinstance(b, bool) and b > 0 and b % c == 0
+    for b, c in zip(bundle, chunks)
+  ):
+    return f"bundle {list(bundle)} is not a whole number of chunks {list(chunks)} per dimension"
+  return None
+
+
+class Layout:
+  """Where each chunk of an array lives: which bundle file, and at what place in it."""
+
+  def __init__(self, shape: Sequence[int], chunks: Sequence[int], bundle: Sequence[int]):
+    self.shape, self.chunks, self.bundle = tuple(shape), tuple(chunks), tuple(bundle)
+    self.counts = tuple(b // c for b, c in zip(bundle, chunks))
+    self.chunk_grid = _chunks.grid(shape, chunks)
+    self.places = math.prod(self.counts)
+
+  def bundle_of(self, index: Sequence[int]) -> tuple[int, ...]:
+    return tuple(i // n for i, n in zip(index, self.counts))
+
+  def present(self, bundle: Sequence[int]) -> tuple[int, ...]:
+    """How many chunks the bundle holds along each dimension (fewer at the array's edge)."""
+    return tuple(min(n, g - b * n) for b, n, g in zip(bundle, self.counts, self.chunk_grid))
+
+  def slot(self, index: Sequence[int], encoded: int) -> tuple[tuple[int, ...], int, int]:
+    """(bundle, index entry, byte offset) of chunk `index` when each chunk is `encoded` bytes."""
+    bundle = self.bundle_of(index)
+    entry = rank = 0
+    for i, b, n, g in zip(index, bundle, self.counts, self.chunk_grid):  # C order, by hand: hot
+      local = i - b * n
+      entry = entry * n + local
+      rank = rank * min(n, g - b * n) + local
+    return bundle, entry, rank * encoded
+
+  def index_bytes(self, bundle: Sequence[int], encoded: int) -> tuple[int, bytes]:
+    """(offset, bytes) of the index of a bundle of raw chunks of `encoded` bytes each."""
+    present = self.present(bundle)
+    table = np.full((self.places, 2), MISSING, dtype="<u8")
+    if math.prod(present):
+      local = np.indices(present).reshape(len(present), -1)
+      entries = np.ravel_multi_index(tuple(local), self.counts)
+      table[entries, 0] = np.arange(local.shape[1], dtype=np.uint64) * np.uint64(encoded)
+      table[entries, 1] = encoded
+    raw = table.tobytes()
+    return math.prod(present) * encoded, raw + crc32c.crc32c(raw).to_bytes(4, "little")
+
+  @property
+  def index_nbytes(self) -> int:
+    return 16 * self.places + 4
+
+
+def chunk_name(info, index: Sequence[int]) -> str:
+  """Where chunk `index` of the array `info` (an ArrayInfo) lives, relative to the array."""
+  if info.bundle is None:
+    return "/".join(["c", *map(str, index)])
+  where = Layout(info.shape, info.chunks, info.bundle).bundle_of(index)
+  return "/".join(["c", *map(str, where)]) + f" (chunk {'/'.join(map(str, index))})"
+
+
+def decode_index(raw: bytes, places: int) -> np.ndarray | str:
+  """The (places, 2) table of a bundle's index, or what is wrong with it."""
+  if len(raw) != 16 * places + 4:
+    return f"an index of {len(raw)} bytes, expected {16 * places + 4}"
+  stored = int.from_bytes(raw[-4:], "little")
+  if crc32c.crc32c(raw[:-4]) != stored:
+    return "its index fails its crc32c"
+  return np.frombuffer(raw[:-4], dtype="<u8").reshape(places, 2)
