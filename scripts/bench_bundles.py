@@ -17,7 +17,8 @@ restore onto the same shardings and onto another mesh (1x8, P(None, 'x')), and t
 above the state's own. Values are checked after every restore.
 
 Usage:
-  python scripts/bench_bundles.py --rounds 3
+  python scripts/bench_bundles.py --rounds 5
+  python scripts/bench_bundles.py --rounds 8 --states large --save-only   # saves alone
 """
 
 from __future__ import annotations
@@ -71,13 +72,13 @@ def files_in(path: str) -> int:
   return sum(len(f) for _, _, f in os.walk(path))
 
 
-def one_round(path, state, same, other, options, times) -> int:
+def one_round(path, state, same, other, options, times, save_only=False) -> int:
   """A save and two restores, timed into `times`; returns the files the save wrote."""
   shutil.rmtree(path, ignore_errors=True)
   m, _ = bu.measure(lambda: ucp_jax.save(path, state, **options))
   times["save"].append(m["seconds"])
   times["peak"].append(m["peak_delta"])
-  for phase, target in (("same", same), ("other", other)):
+  for phase, target in () if save_only else (("same", same), ("other", other)):
     m, out = bu.measure(lambda t=target: jax.block_until_ready(ucp_jax.restore(path, t)))
     check(out)
     times[phase].append(m["seconds"])
@@ -98,14 +99,16 @@ def run(args) -> None:
       for _ in range(args.rounds):
         for variant, options in VARIANTS.items():
           path = os.path.join(root, "ckpt")
-          files[variant] = one_round(path, state, same, other, chunking | options, times[variant])
+          files[variant] = one_round(
+            path, state, same, other, chunking | options, times[variant], args.save_only
+          )
       print(f"\n{name}: {count} arrays, {nbytes / 2**20:.0f} MiB, {args.rounds} rounds")
       rows = []
       for variant in VARIANTS:
         t = times[variant]
         rows.append(
           [variant, f"{files[variant]:,}"]
-          + [_spread(t[p]) for p in ("save", "same", "other")]
+          + [_spread(t[p]) if t[p] else "-" for p in ("save", "same", "other")]
           + [bu.mib(max(t["peak"]))]
         )
       base, bundled = times["a file per chunk"], times["bundled"]
@@ -113,6 +116,8 @@ def run(args) -> None:
         ["bundled / per chunk", f"{files['bundled'] / files['a file per chunk']:.2f}x"]
         + [
           f"{statistics.median(base[p]) / statistics.median(bundled[p]):.2f}x speed"
+          if base[p]
+          else "-"
           for p in ("save", "same", "other")
         ]
         + [""]
@@ -131,6 +136,7 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--states", nargs="+", choices=list(STATES), default=list(STATES))
+  parser.add_argument("--save-only", action="store_true", help="no restores between saves")
   parser.add_argument("--dir", default=None, help="where to write (default: the temp folder)")
   run(parser.parse_args())
 

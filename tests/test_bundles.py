@@ -261,3 +261,23 @@ def test_a_bundle_shape_that_is_not_whole_chunks_is_refused(tmp_path):
   manifest.write_bytes(seal(data))
   with pytest.raises(ucp_jax.ManifestError, match=r"bundle \[3, 8\] is not a whole number"):
     ucp_jax.open(tmp_path / "c")
+
+
+def test_version_2_checkpoints_a_file_per_chunk_are_read(tmp_path):
+  import json
+
+  from ucp_jax.store._manifest import seal
+
+  x, a = _sharded()
+  ucp_jax.save(tmp_path / "c", {"a": a}, chunk_bytes=512, bundle_bytes=None)
+  manifest = tmp_path / "c" / "manifest.json"
+  data = json.loads(manifest.read_text())
+  data["format_version"] = 2  # what version 2 wrote: the same files and entries
+  manifest.write_bytes(seal(data))
+  group = json.loads((tmp_path / "c" / "zarr.json").read_text())
+  group["attributes"]["ucp_jax"]["format_version"] = 2
+  (tmp_path / "c" / "zarr.json").write_text(json.dumps(group))
+  ckpt = ucp_jax.open(tmp_path / "c")
+  assert ckpt.manifest.format_version == 2 and ckpt["a"].bundle is None
+  np.testing.assert_array_equal(ucp_jax.restore(tmp_path / "c")["a"], x)
+  assert ckpt.verify() == {}

@@ -59,7 +59,12 @@ def get(name: str) -> Source:
 def sniff(path: str | os.PathLike) -> Source | None:
   """The first source that recognizes `path`, else the first that weakly does, or None."""
   text = os.fspath(path) if not isinstance(path, dict) else ""
-  if not text or "://" in text or not os.path.exists(text):
+  if "://" in text:  # on an object store: the sources that read by byte ranges
+    remote = [get(name) for name in SOURCES]
+    return next(
+      (s for s in remote if getattr(s, "sniff_remote", None) and s.sniff_remote(text)), None
+    )
+  if not text or not os.path.exists(text):
     return None
   sources = [get(name) for name in SOURCES]
   for source in sources:
@@ -80,7 +85,7 @@ def find(path: str | os.PathLike, name: str | None = None) -> Source:
   if name is not None:
     return get(name)
   text = os.fspath(path)
-  if not os.path.exists(text):
+  if "://" not in text and not os.path.exists(text):
     raise _errors.SourceFormatError(f"{text}: no such file or directory")
   source = sniff(text)
   if source is None:

@@ -21,7 +21,7 @@ import json
 import math
 import mmap
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import ml_dtypes
 import numpy as np
@@ -91,10 +91,16 @@ class SafetensorsFile:
   metadata: dict[str, str]
   mapped: mmap.mmap | None = dataclasses.field(default=None, repr=False, compare=False)
   identity: tuple = ()  # (device, inode, size, mtime) of the file whose header was checked
+  # (begin, end) -> those bytes, for a file on an object store (`read_remote_header`)
+  fetch: Callable[[int, int], bytes] | None = dataclasses.field(default=None, compare=False)
 
   def array(self, name: str) -> np.ndarray:
-    """The tensor `name` as a read-only memory map of its bytes (none read until used)."""
+    """The tensor `name` as a read-only memory map of its bytes (none read until used); on
+    an object store, its bytes read by range."""
     info = self.tensors[name]
+    if info.begin != info.end and self.fetch is not None:
+      raw = self.fetch(info.begin, info.end)
+      return np.frombuffer(raw, info.dtype).reshape(info.shape)
     if info.begin == info.end or self.mapped is None:
       return np.zeros(info.shape, info.dtype)
     count = math.prod(info.shape)
@@ -133,8 +139,53 @@ def read_header(path: str) -> SafetensorsFile:
       raise SourceFormatError(
         f"{path}: not a safetensors file (its header claims {length} bytes; the file has {size})"
       )
-    header, repeated = _json(f.read(length), path, "the safetensors header")
+    raw = f.read(length)
     mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+  return _checked(path, size, length, raw, identity, mapped)
+
+
+def read_remote_header(folder, name: str) -> SafetensorsFile:
+  """`read_header` for a file on an object store (a `_remote.Folder`): the header is read by
+  byte range, and so are the tensors later, each from the same generation of the object."""
+  path = folder.path(name)
+  try:
+    head, generation = folder.read(name, 0, 8)
+  except SourceFormatError as e:
+    if "past its end" not in str(e):
+      raise
+    raise SourceFormatError(f"{path}: not a safetensors file (no header)") from None
+  length = int.from_bytes(head, "little")
+  if length > MAX_HEADER_BYTES:
+    raise SourceFormatError(
+      f"{path}: not a safetensors file (its header claims {length} bytes, more than "
+      f"{MAX_HEADER_BYTES})"
+    )
+  raw, _ = folder.read(name, 8, 8 + length, generation)
+  file = _checked(
+    path,
+    None,
+    length,
+    raw,
+    (generation,),
+    None,
+    lambda begin, end: folder.read(name, begin, end, generation)[0],
+  )
+  end = max((t.end for t in file.tensors.values()), default=0)
+  if end > 8 + length:  # the data the header describes is all there
+    try:
+      folder.read(name, end - 1, end, generation)
+    except SourceFormatError as e:
+      if "past its end" not in str(e):
+        raise
+      raise SourceFormatError(
+        f"{path}: the header puts tensor data up to byte {end}, past the end of the file: truncated"
+      ) from None
+  return file
+
+
+def _checked(path, size, length, raw, identity, mapped, fetch=None) -> SafetensorsFile:
+  """The header `raw` (of `length` bytes, in a file of `size`, None where unknown) checked."""
+  header, repeated = _json(raw, path, "the safetensors header")
   if not isinstance(header, dict):
     raise SourceFormatError(f"{path}: the safetensors header is not a JSON object")
   metadata = header.pop("__metadata__", None) or {}
@@ -147,7 +198,7 @@ def read_header(path: str) -> SafetensorsFile:
   start = 8 + length
   tensors = {}
   for name, entry in header.items():
-    info = _tensor(path, name, entry, start, size, problems)
+    info = _tensor(path, name, entry, start, math.inf if size is None else size, problems)
     if info is not None:
       tensors[name] = info
   spans = sorted((t.begin, t.end, t.name) for t in tensors.values() if t.end > t.begin)
@@ -159,7 +210,7 @@ def read_header(path: str) -> SafetensorsFile:
   fail(path, "a damaged or forged safetensors header", problems)
   ordered = dict(sorted(tensors.items(), key=lambda kv: kv[1].begin))
   metadata = {str(k): str(v) for k, v in metadata.items()}
-  return SafetensorsFile(path, ordered, metadata, mapped, identity)
+  return SafetensorsFile(path, ordered, metadata, mapped, identity, fetch)
 
 
 def file_identity(st: os.stat_result) -> tuple:
@@ -238,11 +289,7 @@ def read_index(path: str) -> dict[str, str]:
     raise SourceFormatError(f"{path}: no such file") from None
   if len(raw) > MAX_INDEX_BYTES:
     raise SourceFormatError(f"{path}: an index larger than {MAX_INDEX_BYTES} bytes")
-  index, repeated = _json(raw, path, "the index")
-  weight_map = index.get("weight_map") if isinstance(index, dict) else None
-  if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-    raise SourceFormatError(f"{path}: no `weight_map` of tensor names to file names")
-  problems = [f"tensor {k!r} is listed twice" for k in repeated if k in weight_map]
+  weight_map, problems = parse_index(raw, path)
   out, by_shard = {}, {}
   for name, file in weight_map.items():
     by_shard.setdefault(file, []).append(name)
@@ -255,6 +302,15 @@ def read_index(path: str) -> dict[str, str]:
       problems.append(f"shard {file}, listed for tensor {_some(names)}, is missing")
   fail(path, "the index names shards that cannot be read", problems)
   return out
+
+
+def parse_index(raw: bytes, path: str) -> tuple[dict[str, str], list[str]]:
+  """(`weight_map` as written, problems so far) of an index's bytes."""
+  index, repeated = _json(raw, path, "the index")
+  weight_map = index.get("weight_map") if isinstance(index, dict) else None
+  if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+    raise SourceFormatError(f"{path}: no `weight_map` of tensor names to file names")
+  return weight_map, [f"tensor {k!r} is listed twice" for k in repeated if k in weight_map]
 
 
 def match_index(index_path: str, weight_map: dict[str, str], found: dict[str, list[str]]) -> None:
@@ -289,6 +345,26 @@ def match_index(index_path: str, weight_map: dict[str, str], found: dict[str, li
     if n not in seen
   ]
   fail(index_path, "the shards do not match the index", problems)
+
+
+def read_remote_sharded(folder, index_name: str) -> list[SafetensorsFile]:
+  """`read_sharded` for a folder on an object store (a `_remote.Folder`)."""
+  where = folder.path(index_name)
+  weight_map, problems = parse_index(folder.read_small(index_name, MAX_INDEX_BYTES), where)
+  present = set(folder.names())
+  by_shard: dict[str, list[str]] = {}
+  for name, file in weight_map.items():
+    by_shard.setdefault(file, []).append(name)
+  for file, names in by_shard.items():
+    if "/" in file or file in ("", ".", ".."):
+      problems.append(f"shard {file!r}, listed for tensor {_some(names)}, lies outside the folder")
+    elif file not in present:
+      problems.append(f"shard {file}, listed for tensor {_some(names)}, is missing")
+  fail(where, "the index names shards that cannot be read", problems)
+  files = [read_remote_header(folder, file) for file in sorted(by_shard)]
+  full = {name: folder.path(file) for name, file in weight_map.items()}
+  match_index(where, full, {f.path: list(f.tensors) for f in files})
+  return files
 
 
 def read_sharded(index_path: str) -> tuple[list[SafetensorsFile], dict[str, TensorInfo]]:

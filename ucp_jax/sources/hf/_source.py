@@ -20,14 +20,17 @@ tie (`tied_to`), and `tied=` names ties for other layouts.
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
 from ucp_jax._errors import SourceFormatError
+from ucp_jax.sources import _remote
 from ucp_jax.sources._source_plan import Param, Plan, Tensor
 from ucp_jax.sources.hf import _safetensors as st
 from ucp_jax.sources.torch import _source as torch_source
 from ucp_jax.sources.torch._torch_zip import open_regular
+from ucp_jax.store import _direct
 
 NAME = "hf"
 DESCRIPTION = (
@@ -58,11 +61,24 @@ def sniff(path: str) -> bool:
   A `config.json` beside other weights (a `model.pt`) is not enough: that folder is torch's.
   """
   if os.path.isdir(path):
-    names = set(os.listdir(path))
-    return {"config.json", "pytorch_model.bin"} <= names or any(
-      n == BIN_INDEX or n.endswith((".safetensors", st.INDEX_SUFFIX)) for n in names
-    )
+    return _holds_weights(set(os.listdir(path)))
   return path.endswith((".safetensors", st.INDEX_SUFFIX, BIN_INDEX))
+
+
+def sniff_remote(url: str) -> bool:
+  """`sniff` for a URL (an object-store folder or file): one listing."""
+  if url.endswith((".safetensors", st.INDEX_SUFFIX)):
+    return True
+  try:
+    return _holds_weights(set(_remote.Folder.at(url).names()))
+  except SourceFormatError:
+    return False
+
+
+def _holds_weights(names: set[str]) -> bool:
+  return {"config.json", "pytorch_model.bin"} <= names or any(
+    n == BIN_INDEX or n.endswith((".safetensors", st.INDEX_SUFFIX)) for n in names
+  )
 
 
 def sniff_weak(path: str) -> bool:
@@ -83,12 +99,15 @@ def describe(path: str, *, tied: dict[str, str] | None = None) -> Plan:
     SourceFormatError: no weights, a damaged or forged header, an index that does not match
       its shards, a non-tensor in a `.bin` state dict (each naming file and tensor).
   """
-  if not os.path.exists(path):
-    raise SourceFormatError(f"{path}: no such file or directory")
-  folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-  weights = _weights(path) if os.path.isdir(path) else path
-  config = _config(folder)
-  tensors, files, metadata, aliases = _tensors(weights)
+  if _remote.is_remote(path):
+    folder, weights, config, (tensors, files, metadata, aliases) = _remote_folder(path)
+  else:
+    if not os.path.exists(path):
+      raise SourceFormatError(f"{path}: no such file or directory")
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    weights = _weights(path) if os.path.isdir(path) else path
+    config = _config(folder)
+    tensors, files, metadata, aliases = _tensors(weights)
   ties = dict(aliases)
   ties.update(_ties(config, tensors) if tied is None else _checked_ties(tied, tensors, weights))
   buffers = {n: t for n, t in tensors.items() if torch_source.is_buffer(n)}
@@ -105,28 +124,103 @@ def describe(path: str, *, tied: dict[str, str] | None = None) -> Plan:
     source={
       "framework": "transformers",
       "format": NAME,
-      "path": os.path.abspath(path),
+      "path": path if _remote.is_remote(path) else os.path.abspath(path),
       "files": [os.path.relpath(f, folder) for f in files],
       "architectures": config.get("architectures"),
       "config": config,
     },
     step=None,
-    path=os.path.abspath(path),
+    path=path if _remote.is_remote(path) else os.path.abspath(path),
     format=NAME,
   )
 
 
+def _remote_folder(url: str):
+  """(folder, weights, config, `_tensors`' answer) of a folder or file on an object store:
+  safetensors only, read by byte ranges (a `.bin` would be a pickle to download whole)."""
+  url = url.rstrip("/")
+  if url.endswith((".safetensors", st.INDEX_SUFFIX)):
+    folder_url, name = url.rsplit("/", 1)
+    folder = _remote.Folder.at(folder_url)
+    names = folder.names()
+  else:
+    folder = _remote.Folder.at(url)
+    names = folder.names()
+    if not names:
+      raise SourceFormatError(f"{url}: no such folder (nothing below it)")
+    name = _choose_weights(url, names)
+  if name.endswith((".bin", BIN_INDEX)):
+    raise SourceFormatError(
+      f"{folder.path(name)}: pytorch_model.bin files are read from a local disk only (a "
+      "pickle is read whole): copy the folder, or convert it to safetensors"
+    )
+  config = {}
+  if "config.json" in names:
+    config = _parse_config(
+      folder.read_small("config.json", MAX_CONFIG_BYTES), folder.path("config.json")
+    )
+  if name.endswith(".json"):
+    files = st.read_remote_sharded(folder, name)
+  else:
+    files = [st.read_remote_header(folder, name)]
+  tensors = {
+    tensor: Tensor(info.shape, info.dtype, _mapped(f, tensor), info.where, store=_ranged(f, info))
+    for f in files
+    for tensor, info in f.tensors.items()
+  }
+  metadata = {f.path.rsplit("/", 1)[-1]: f.metadata for f in files if f.metadata}
+  return folder.url, folder.path(name), config, (tensors, [f.path for f in files], metadata, {})
+
+
+_RANGE_BYTES = 4 << 20
+"""Rows per byte-range request of a restore in place, about this many bytes."""
+
+
+def _ranged(file: st.SafetensorsFile, info: st.TensorInfo):
+  """The tensor as a lazy TensorStore whose reads are byte-range requests of whole rows."""
+  import numpy as np
+  import tensorstore as ts
+
+  shape, dtype = info.shape, info.dtype
+  row = math.prod(shape[1:]) * dtype.itemsize
+  rows = max(1, _RANGE_BYTES // max(1, row)) if shape else 1
+
+  def read(domain: ts.IndexDomain, out: np.ndarray, _params) -> ts.Future:
+    start, stop = (domain[0].inclusive_min, domain[0].exclusive_max) if shape else (0, 1)
+    promise, future = ts.Promise.new()
+
+    def fetch() -> None:  # on the I/O threads, not TensorStore's
+      try:
+        raw = file.fetch(info.begin + start * row, info.begin + stop * row) if out.size else b""
+        out[...] = np.frombuffer(raw, dtype).reshape(out.shape)
+      except BaseException as e:
+        promise.set_exception(e)
+      else:
+        promise.set_result(None)
+
+    _direct.submit(fetch)
+    return future
+
+  chunks = (rows, *shape[1:]) if shape else ()
+  layout = ts.ChunkLayout(read_chunk_shape=chunks) if shape and math.prod(shape) else None
+  return ts.virtual_chunked(read, dtype=ts.dtype(dtype.name), shape=shape, chunk_layout=layout)
+
+
 def _weights(folder: str) -> str:
   """The weights file (or index) of a folder, by Hugging Face's order of preference."""
-  names = sorted(os.listdir(folder))
+  return os.path.join(folder, _choose_weights(folder, sorted(os.listdir(folder))))
+
+
+def _choose_weights(folder: str, names: list[str]) -> str:
+  """The name of the weights file (or index) among a folder's `names`."""
   indexes = [n for n in names if n.endswith(st.INDEX_SUFFIX)]
   singles = [n for n in names if n.endswith(".safetensors")]
   for choice in ("model" + st.INDEX_SUFFIX, "model.safetensors"):
     if choice in names:
-      return os.path.join(folder, choice)
+      return choice
   for found, what in ((indexes, "safetensors indexes"), (singles, "safetensors files")):
     if len(found) == 1:
-      return os.path.join(folder, found[0])
+      return found[0]
     if found:
       raise SourceFormatError(
         f"{folder}: {len(found)} {what} ({', '.join(found[:6])}) and no model.safetensors"
@@ -134,7 +228,7 @@ def _weights(folder: str) -> str:
       )
   for choice in (BIN_INDEX, "pytorch_model.bin"):
     if choice in names:
-      return os.path.join(folder, choice)
+      return choice
   others = [n for n in names if n.endswith(torch_source.SUFFIXES)]
   hint = f"; found {', '.join(others[:6])}: read it with source='torch' (--from torch)"
   raise SourceFormatError(
@@ -202,6 +296,10 @@ def _config(folder: str) -> dict:
     raise SourceFormatError(f"{path}: cannot be read ({e.strerror or e})") from None
   if len(raw) > MAX_CONFIG_BYTES:
     raise SourceFormatError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes")
+  return _parse_config(raw, path)
+
+
+def _parse_config(raw: bytes, path: str) -> dict:
   try:
     config = json.loads(raw)
   except (UnicodeDecodeError, ValueError) as e:

@@ -1,0 +1,81 @@
+"""Source folders on object stores (`gs://`, `s3://`, `memory://`, `file://` URLs), listed and
+read by byte ranges through TensorStore kvstores: a conversion or a restore reads the headers
+it parses and the tensor bytes it needs, never whole files it does not.
+
+Every read of an object after the first checks the object's generation: an object replaced
+while it is read is refused, not mixed with the old one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import tensorstore as ts
+
+from ucp_jax._errors import SourceFormatError
+from ucp_jax.store import _location
+
+
+def is_remote(path) -> bool:
+  return isinstance(path, str) and "://" in path
+
+
+@dataclasses.dataclass(frozen=True)
+class Folder:
+  """The objects directly below a URL prefix."""
+
+  url: str
+  store: ts.KvStore = dataclasses.field(compare=False, repr=False)
+
+  @classmethod
+  def at(cls, url: str) -> Folder:
+    url = url.rstrip("/")
+    try:
+      store = _location.kvstore(_location.resolve(url + "/"), durable=False)
+    except Exception as e:  # an unknown scheme, a malformed URL
+      raise SourceFormatError(f"{url}: cannot be opened ({_location.error_text(e)})") from None
+    return cls(url, store)
+
+  def names(self) -> list[str]:
+    """The object names directly below the folder (no deeper ones), sorted."""
+    try:
+      keys = self.store.list().result()
+    except Exception as e:
+      raise SourceFormatError(f"{self.url}: cannot be listed ({_location.error_text(e)})") from None
+    names = {k.decode("utf-8", "replace") for k in keys}
+    return sorted(n for n in names if n and "/" not in n)
+
+  def path(self, name: str) -> str:
+    return f"{self.url}/{name}"
+
+  def read(self, name: str, start: int = 0, stop: int | None = None, generation=None) -> tuple:
+    """(bytes [start, stop) of object `name`, its generation); refuses another generation.
+
+    Raises:
+      SourceFormatError: the object is missing, shorter than `stop`, or was replaced since
+        `generation` was read.
+    """
+    where = self.path(name)
+    try:
+      result = self.store.read(name, byte_range=slice(start, stop)).result()
+    except Exception as e:
+      text = _location.error_text(e)
+      if "OUT_OF_RANGE" in text:
+        raise SourceFormatError(f"{where}: bytes [{start}, {stop}) are past its end") from None
+      raise SourceFormatError(f"{where}: cannot be read ({text})") from None
+    if result.state != "value":
+      raise SourceFormatError(f"{where}: no such object")
+    if generation is not None and result.stamp.generation != generation:
+      raise SourceFormatError(f"{where}: replaced while it was read; read it again")
+    return result.value, result.stamp.generation
+
+  def read_small(self, name: str, limit: int) -> bytes:
+    """All of a small object (a config, an index), refused when larger than `limit`."""
+    try:
+      self.read(name, limit, limit + 1)
+    except SourceFormatError as e:
+      if "past its end" not in str(e):
+        raise
+    else:
+      raise SourceFormatError(f"{self.path(name)}: larger than {limit} bytes")
+    return self.read(name)[0]
