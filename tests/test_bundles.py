@@ -8,6 +8,7 @@ damaged or rearranged bundle is an error on every path, as a damaged chunk file 
 import filecmp
 import itertools
 import os
+import re
 
 import jax
 import numpy as np
@@ -188,7 +189,8 @@ def _index_damage_is_caught(bundled, match):
     return
   np.testing.assert_array_equal(ucp_jax.restore(bundled.path)["a"], A)
   problems = ucp_jax.open(bundled.path).verify()
-  assert list(problems) == ["a"] and "a/c/0/0: its index does not" in problems["a"], problems
+  assert list(problems) == ["a"] and "bundle indexes that zarr readers follow" in problems["a"]
+  assert "a/c/0/0" in problems["a"] and re.search(match, problems["a"]), problems
 
 
 def test_chunks_swapped_by_a_resealed_index_are_an_error(bundled):
@@ -231,6 +233,7 @@ def test_chunks_in_another_order_are_found_through_the_index(tmp_path):
   bundled.put_index(table)
   np.testing.assert_array_equal(ucp_jax.restore(tmp_path / "c")["a"], A)
   np.testing.assert_array_equal(ucp_jax.open(tmp_path / "c").read("a", np.s_[2:5]), A[2:5])
+  assert ucp_jax.open(tmp_path / "c").verify() == {}  # a sound bundle, laid out otherwise
   zarr = pytest.importorskip("zarr")
   np.testing.assert_array_equal(zarr.open_group(str(tmp_path / "c"), mode="r")["a"][:], A)
 
@@ -281,3 +284,55 @@ def test_version_2_checkpoints_a_file_per_chunk_are_read(tmp_path):
   assert ckpt.manifest.format_version == 2 and ckpt["a"].bundle is None
   np.testing.assert_array_equal(ucp_jax.restore(tmp_path / "c")["a"], x)
   assert ckpt.verify() == {}
+
+
+def test_an_index_entry_half_marked_missing_is_corruption(tmp_path):
+  ucp_jax.save(tmp_path / "c", {"a": A, "b": A + 1}, chunk_bytes=64)
+  bundled = _Bundle(tmp_path / "c", "a/c/0/0")
+  raw = bytearray(bundled.get())
+  raw[0] ^= 0xFF  # chunk 0 damaged where a save put it: the read looks it up in the index
+  bundled.put(bytes(raw))
+  table = bundled.index()
+  table[0, 0] = _bundle.MISSING  # its offset "missing", its size kept
+  bundled.put_index(table)
+  _every_read_fails(tmp_path / "c", "points past the chunks it holds")
+
+
+def test_a_bundle_shorter_than_its_index_or_larger_than_its_array_is_refused(tmp_path):
+  import json
+
+  from ucp_jax.store._manifest import seal
+
+  ucp_jax.save(tmp_path / "c", {"a": A, "b": A + 1}, chunk_bytes=64)
+  bundled = _Bundle(tmp_path / "c", "a/c/0/0")
+  raw = bytearray(bundled.get())
+  raw[0] ^= 0xFF
+  bundled.put(bytes(raw[:40]))
+  _every_read_fails(tmp_path / "c", "less than its index")
+  manifest = tmp_path / "c" / "manifest.json"
+  data = json.loads(manifest.read_text())
+  data["arrays"]["a"]["bundle"] = [2**37, 8]  # whole chunks, but more than the array
+  manifest.write_bytes(seal(data))
+  with pytest.raises(ucp_jax.ManifestError, match="larger than the array"):
+    ucp_jax.open(tmp_path / "c")
+
+
+def test_a_failed_bundle_write_closes_its_file(tmp_path, monkeypatch):
+  from ucp_jax.store import _direct
+
+  real = _direct._encode
+
+  def flaky(block, chunks):
+    if block.shape != tuple(chunks):
+      raise MemoryError("injected: no memory for the padded edge chunk")
+    return real(block, chunks)
+
+  monkeypatch.setattr(_direct, "_encode", flaky)
+  monkeypatch.setattr(_direct, "_GROUP_BYTES", 1)  # a task per chunk: the others open the file
+  before = set(os.listdir("/proc/self/fd"))
+  x = np.arange(10 * 64, dtype=np.float32).reshape(10, 64)  # (4, 64) chunks, the last padded
+  with pytest.raises(MemoryError, match="injected"):
+    ucp_jax.save(tmp_path / "c", {"x": x}, chunk_bytes=1024)
+  leaked = [os.readlink(f"/proc/self/fd/{n}") for n in set(os.listdir("/proc/self/fd")) - before]
+  assert not [p for p in leaked if "ucp-tmp" in p], leaked
+  assert os.listdir(tmp_path) == []

@@ -177,6 +177,18 @@ def test_outside_a_manager_through_a_composite_checkpointer(tmp_path, devices):
   checkpointer.close()
 
 
+@pytest.mark.parametrize("async_", [False, True])
+def test_chunk_and_bundle_sizes_pass_through_the_manager(tmp_path, devices, async_):
+  big = {"w": np.arange(64 * 64, dtype=np.float32).reshape(64, 64)}  # 16 chunks of 1 KiB
+  with _manager(tmp_path, enable_async_checkpointing=async_) as manager:
+    manager.save(1, args=UcpSave(big, chunk_bytes=1024, bundle_bytes=4096))
+    manager.save(2, args=UcpSave(big, chunk_bytes=1024, bundle_bytes=None))
+    manager.wait_until_finished()
+  for step, bundle in ((1, (16, 64)), (2, None)):
+    info = ucp_jax.open(tmp_path / str(step) / "default")["w"]
+    assert (info.chunks, info.bundle) == ((4, 64), bundle)
+
+
 def test_refuses_a_directory_that_orbax_has_written_into(tmp_path):
   checkpointer = ocp.Checkpointer(UcpCheckpointHandler())  # puts _CHECKPOINT_METADATA first
   with pytest.raises(

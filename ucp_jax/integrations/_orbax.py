@@ -18,7 +18,7 @@ from etils import epath
 from orbax.checkpoint import future as ocp_future
 
 from ucp_jax import _errors
-from ucp_jax.store import _manifest, _reader, _zarr
+from ucp_jax.store import _bundle, _manifest, _reader, _zarr
 from ucp_jax.tree import _async, _restore, _save
 
 
@@ -51,6 +51,7 @@ class UcpCheckpointHandler(ocp.AsyncCheckpointHandler):
       step=args.step,
       metadata=args.metadata,
       chunk_bytes=args.chunk_bytes,
+      bundle_bytes=args.bundle_bytes,
       schema=None,
       source=None,
     )
@@ -72,6 +73,7 @@ class UcpCheckpointHandler(ocp.AsyncCheckpointHandler):
       compression=args.compression,
       max_host_bytes=args.max_host_bytes,
       chunk_bytes=args.chunk_bytes,
+      bundle_bytes=args.bundle_bytes,
       durable=args.durable,
     )
 
@@ -124,6 +126,7 @@ class UcpSave(ocp.args.CheckpointArgs):
   compression: str | None = None
   max_host_bytes: int = _save.DEFAULT_HOST_BYTES
   chunk_bytes: int = _zarr.CHUNK_BYTES
+  bundle_bytes: int | None = _bundle.BUNDLE_BYTES
   durable: bool = True
 
 

@@ -9,11 +9,13 @@ one little-endian (offset, nbytes) uint64 pair per chunk place, `2**64 - 1` twic
 place outside the array, and the crc32c of the index. This is byte for byte what
 TensorStore writes (and zarr-python reads). For raw chunks every encoded chunk has the
 same size, so a writer knows every chunk's offset before writing any: the chunks of a
-bundle are written in parallel with `pwrite`, and the index first.
+bundle are written in parallel groups with `pwritev`, and the index last.
 
-A restore reads the index, then only the byte ranges of the chunks under its slice;
-each chunk is still checked against its own crc32c and the manifest's entry for its
-place, so the index only says where to look, never what to trust.
+A restore reads only the byte ranges of the chunks under its slices, where a save puts
+them, without reading the index; a chunk that is not there (a bundle another zarr writer
+laid out) is looked up in the index. Each chunk is checked against its own crc32c and the
+manifest's entry for its place, so the index only says where to look, never what to
+trust; `verify` checks that the index agrees, for the readers that follow it.
 """
 
 from __future__ import annotations
@@ -89,6 +91,8 @@ def check(shape: Sequence[int], chunks: Sequence[int], bundle: Sequence[int]) ->
     for b, c in zip(bundle, chunks)
   ):
     return f"bundle {list(bundle)} is not a whole number of chunks {list(chunks)} per dimension"
+  if any(b > -(-d // c) * c for b, c, d in zip(bundle, chunks, shape)):
+    return f"bundle {list(bundle)} is larger than the array {list(shape)} in chunks {list(chunks)}"
   return None
 
 

@@ -133,9 +133,9 @@ def _write_chunk(path: str, index, block: np.ndarray, chunks, record, durable: b
 def _write_bundled(target: _BundleFile, group: list, chunks, record) -> None:
   """Writes a group of chunks of one bundle (sorted by offset), each run of adjacent ones
   with one `pwritev`."""
-  encoded = [(offset, index, *_encode(block, chunks)) for offset, index, block in group]
   try:
-    try:
+    try:  # whatever fails, `done` runs: the last writer closes the file
+      encoded = [(offset, index, *_encode(block, chunks)) for offset, index, block in group]
       fd = target.fd()
       start, end, parts = encoded[0][0], encoded[0][0], []
       for offset, _, raw, crc in encoded:
@@ -294,26 +294,20 @@ class ArrayFiles:
     return None if offset == canonical else (path, shown, offset)
 
   def index_problems(self) -> list[str]:
-    """How the bundle files' indexes disagree with where a save put their chunks (for
-    `verify`: reads here find the chunks without the index, zarr readers follow it)."""
+    """What is wrong with the bundle files' indexes, which reads here skip but zarr readers
+    follow (for `verify`): a damaged index, a chunk it marks missing or sizes wrongly, or a
+    place that holds other bytes than the chunk a save put where reads here look."""
     if self._bundles is None:
       return []
-    layout, encoded, _, _ = self._bundles
-    problems = []
-    for where in itertools.product(*(range(n) for n in _chunks.grid(layout.shape, layout.bundle))):
-      index_at, expected = layout.index_bytes(where, encoded)
-      shown = chunk_path(self.shown_dir, where)
+    problems: dict[str, None] = {}  # in order, once each (a bad index fails every chunk)
+    for index in itertools.product(*(range(n) for n in self._bundles[0].chunk_grid)):
       try:
-        with open(chunk_path(self.io_dir, where), "rb", buffering=0) as f:
-          size = os.fstat(f.fileno()).st_size
-          f.seek(index_at)
-          found = f.read(len(expected) + 1)
-      except OSError as e:
-        problems.append(f"{shown}: cannot read the bundle file: {e.strerror}")
-        continue
-      if size != index_at + len(expected) or found != expected:
-        problems.append(f"{shown}: its index does not give the places of the chunks it holds")
-    return problems
+        moved = self.indexed(index)
+        if moved is not None:  # another layout than a save writes: check what it points at
+          _read_into(self, index, np.empty(self.info.chunks, self.info.dtype), *moved)
+      except _errors.CorruptCheckpointError as e:
+        problems[str(e).replace(f": `{self.key}`", "")] = None
+    return list(problems)
 
 
 def _shown(shown_dir: str, where: tuple[int, ...], index: tuple[int, ...]) -> str:
@@ -327,7 +321,12 @@ def _read_index(files: ArrayFiles, path: str, shown: str) -> np.ndarray:
     with open(path, "rb", buffering=0) as f:
       size = os.fstat(f.fileno()).st_size
       data_end = size - layout.index_nbytes
-      f.seek(max(0, data_end))
+      if data_end < 0:
+        raise _errors.CorruptCheckpointError(
+          f"{shown}: `{files.key}`: bad bundle file: {size} bytes, less than its index "
+          f"({layout.index_nbytes})"
+        )
+      f.seek(data_end)
       raw = f.read(layout.index_nbytes + 1)
   except FileNotFoundError:
     raise _errors.CorruptCheckpointError(f"{shown}: `{files.key}`: bundle file missing") from None
@@ -335,7 +334,7 @@ def _read_index(files: ArrayFiles, path: str, shown: str) -> np.ndarray:
     raise _store_error(e, shown, files.key) from e
   table = _bundle.decode_index(raw, layout.places)
   if isinstance(table, np.ndarray):
-    present = table[:, 0] != _bundle.MISSING
+    present = ~((table[:, 0] == _bundle.MISSING) & (table[:, 1] == _bundle.MISSING))
     ends = table[present, 0] + table[present, 1]  # uint64: a wrapped sum is caught below
     if not (ends.size and (ends.max() > data_end or (ends < table[present, 0]).any())):
       return table

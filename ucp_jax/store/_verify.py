@@ -82,7 +82,8 @@ def _check_array(ckpt: Checkpoint, kvstore, key: str) -> str | None:
   files = ckpt.files(key)  # read without the bundles' indexes: check they agree
   bad = files.index_problems() if files is not None else []
   if bad:
-    return f"{len(bad)} bundle files with a wrong index: " + "; ".join(bad[:3])
+    more = f"; ... ({len(bad)} in all)" if len(bad) > 3 else ""
+    return "bundle indexes that zarr readers follow are wrong: " + "; ".join(bad[:3]) + more
   return None
 
 
