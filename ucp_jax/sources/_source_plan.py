@@ -62,6 +62,31 @@ class Tensor:
     return self.numel * np.dtype(self.dtype).itemsize
 
 
+def lazy_store(
+  shape: tuple[int, ...],
+  dtype,
+  cells: Sequence[int],
+  read: Callable[[tuple[slice, ...], np.ndarray], None],
+):
+  """A `Tensor.store`: a lazy TensorStore that fills each cell it reads (of shape `cells`,
+  clipped at the edges) with `read(region, out)`."""
+  import tensorstore as ts
+
+  from ucp_jax.store import _location
+
+  def read_cell(domain: ts.IndexDomain, out: np.ndarray, _params) -> None:
+    read(tuple(slice(d.inclusive_min, d.exclusive_max) for d in domain), out)
+
+  layout = ts.ChunkLayout(read_chunk_shape=[max(1, c) for c in cells]) if shape else None
+  return ts.virtual_chunked(
+    read_cell,
+    dtype=ts.dtype(np.dtype(dtype).name),
+    shape=shape,
+    chunk_layout=layout,
+    context=_location.CONTEXT,
+  )
+
+
 def fixed(pieces: Sequence[np.ndarray]) -> Pieces:
   """A `Tensor.pieces` that returns pieces already at hand."""
   held = tuple(pieces)

@@ -108,6 +108,11 @@ class Layout:
   def bundle_of(self, index: Sequence[int]) -> tuple[int, ...]:
     return tuple(i // n for i, n in zip(index, self.counts))
 
+  def name(self, index: Sequence[int]) -> str:
+    """Chunk `index` as messages name it: its bundle file, relative to the array, and itself."""
+    where = self.bundle_of(index)
+    return "/".join(["c", *map(str, where)]) + f" (chunk {'/'.join(map(str, index))})"
+
   def present(self, bundle: Sequence[int]) -> tuple[int, ...]:
     """How many chunks the bundle holds along each dimension (fewer at the array's edge)."""
     return tuple(min(n, g - b * n) for b, n, g in zip(bundle, self.counts, self.chunk_grid))
@@ -143,8 +148,7 @@ def chunk_name(info, index: Sequence[int]) -> str:
   """Where chunk `index` of the array `info` (an ArrayInfo) lives, relative to the array."""
   if info.bundle is None:
     return "/".join(["c", *map(str, index)])
-  where = Layout(info.shape, info.chunks, info.bundle).bundle_of(index)
-  return "/".join(["c", *map(str, where)]) + f" (chunk {'/'.join(map(str, index))})"
+  return Layout(info.shape, info.chunks, info.bundle).name(index)
 
 
 def decode_index(raw: bytes, places: int) -> np.ndarray | str:

@@ -264,7 +264,7 @@ class ArrayFiles:
       return chunk_path(self.io_dir, index), chunk_path(self.shown_dir, index), None
     layout, encoded, _, _ = self._bundles
     where, _, offset = layout.slot(index, encoded)
-    return chunk_path(self.io_dir, where), _shown(self.shown_dir, where, index), offset
+    return chunk_path(self.io_dir, where), f"{self.shown_dir}/{layout.name(index)}", offset
 
   def indexed(self, index: tuple[int, ...]) -> tuple[str, str, int] | None:
     """Where the bundle's index puts chunk `index`, when that is not where `chunk` looked
@@ -278,7 +278,7 @@ class ArrayFiles:
       return None
     layout, encoded, tables, lock = self._bundles
     where, entry, canonical = layout.slot(index, encoded)
-    path, shown = chunk_path(self.io_dir, where), _shown(self.shown_dir, where, index)
+    path, shown = chunk_path(self.io_dir, where), f"{self.shown_dir}/{layout.name(index)}"
     with lock:  # the chunks of a bundle are read by several threads at once
       table = tables.get(where)
       if table is None:
@@ -308,10 +308,6 @@ class ArrayFiles:
       except _errors.CorruptCheckpointError as e:
         problems[str(e).replace(f": `{self.key}`", "")] = None
     return list(problems)
-
-
-def _shown(shown_dir: str, where: tuple[int, ...], index: tuple[int, ...]) -> str:
-  return f"{chunk_path(shown_dir, where)} (chunk {'/'.join(map(str, index))})"
 
 
 def _read_index(files: ArrayFiles, path: str, shown: str) -> np.ndarray:

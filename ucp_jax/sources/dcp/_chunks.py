@@ -26,14 +26,13 @@ import sys
 from typing import Any
 
 import numpy as np
-import tensorstore as ts
 
 from ucp_jax._errors import SourceFormatError
 from ucp_jax.sources import _file_reads
-from ucp_jax.sources._source_plan import Tensor
+from ucp_jax.sources._source_plan import Tensor, lazy_store
 from ucp_jax.sources.dcp._metadata import Chunk, Stored, TensorEntry
 from ucp_jax.sources.torch import _torch_file
-from ucp_jax.store import _location, _regions, _zarr
+from ucp_jax.store import _regions, _zarr
 
 CELL_BYTES = 1 << 20
 """The most a lazy read of a view asks of the chunks at once (a TensorStore cell)."""
@@ -172,17 +171,7 @@ def tensor(files: RankFiles, entry: TensorEntry, where: str) -> Tensor:
   itemsize = np.dtype(entry.dtype).itemsize
   cells = _zarr.choose_chunks(entry.shape, shard_shape(entry), itemsize, CELL_BYTES)
 
-  def read(domain: ts.IndexDomain, out: np.ndarray, _params) -> None:
-    reader.read(tuple(slice(d.inclusive_min, d.exclusive_max) for d in domain), out)
-
-  layout = ts.ChunkLayout(read_chunk_shape=cells) if entry.shape else None
-  store = ts.virtual_chunked(
-    read,
-    dtype=ts.dtype(np.dtype(entry.dtype).name),
-    shape=entry.shape,
-    chunk_layout=layout,
-    context=_location.CONTEXT,
-  )
+  store = lazy_store(entry.shape, entry.dtype, cells, reader.read)
   return Tensor(entry.shape, np.dtype(entry.dtype), reader.pieces, where, store=store)
 
 

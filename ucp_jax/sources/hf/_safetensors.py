@@ -347,11 +347,11 @@ def match_index(index_path: str, weight_map: dict[str, str], found: dict[str, li
   fail(index_path, "the shards do not match the index", problems)
 
 
-def read_remote_sharded(folder, index_name: str) -> list[SafetensorsFile]:
-  """`read_sharded` for a folder on an object store (a `_remote.Folder`)."""
+def read_remote_sharded(folder, index_name: str, names: list[str]) -> list[SafetensorsFile]:
+  """`read_sharded` for a folder on an object store (a `_remote.Folder` holding `names`)."""
   where = folder.path(index_name)
   weight_map, problems = parse_index(folder.read_small(index_name, MAX_INDEX_BYTES), where)
-  present = set(folder.names())
+  present = set(names)
   by_shard: dict[str, list[str]] = {}
   for name, file in weight_map.items():
     by_shard.setdefault(file, []).append(name)

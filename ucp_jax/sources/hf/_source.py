@@ -24,13 +24,14 @@ import math
 import os
 from typing import Any
 
+import numpy as np
+
 from ucp_jax._errors import SourceFormatError
 from ucp_jax.sources import _remote
-from ucp_jax.sources._source_plan import Param, Plan, Tensor
+from ucp_jax.sources._source_plan import Param, Plan, Tensor, lazy_store
 from ucp_jax.sources.hf import _safetensors as st
 from ucp_jax.sources.torch import _source as torch_source
 from ucp_jax.sources.torch._torch_zip import open_regular
-from ucp_jax.store import _direct
 
 NAME = "hf"
 DESCRIPTION = (
@@ -160,7 +161,7 @@ def _remote_folder(url: str):
       folder.read_small("config.json", MAX_CONFIG_BYTES), folder.path("config.json")
     )
   if name.endswith(".json"):
-    files = st.read_remote_sharded(folder, name)
+    files = st.read_remote_sharded(folder, name, names)
   else:
     files = [st.read_remote_header(folder, name)]
   tensors = {
@@ -178,32 +179,16 @@ _RANGE_BYTES = 4 << 20
 
 def _ranged(file: st.SafetensorsFile, info: st.TensorInfo):
   """The tensor as a lazy TensorStore whose reads are byte-range requests of whole rows."""
-  import numpy as np
-  import tensorstore as ts
-
   shape, dtype = info.shape, info.dtype
   row = math.prod(shape[1:]) * dtype.itemsize
-  rows = max(1, _RANGE_BYTES // max(1, row)) if shape else 1
+  rows = max(1, _RANGE_BYTES // max(1, row))
 
-  def read(domain: ts.IndexDomain, out: np.ndarray, _params) -> ts.Future:
-    start, stop = (domain[0].inclusive_min, domain[0].exclusive_max) if shape else (0, 1)
-    promise, future = ts.Promise.new()
+  def read(region: tuple[slice, ...], out) -> None:
+    start, stop = (region[0].start, region[0].stop) if shape else (0, 1)
+    raw = file.fetch(info.begin + start * row, info.begin + stop * row) if out.size else b""
+    out[...] = np.frombuffer(raw, dtype).reshape(out.shape)
 
-    def fetch() -> None:  # on the I/O threads, not TensorStore's
-      try:
-        raw = file.fetch(info.begin + start * row, info.begin + stop * row) if out.size else b""
-        out[...] = np.frombuffer(raw, dtype).reshape(out.shape)
-      except BaseException as e:
-        promise.set_exception(e)
-      else:
-        promise.set_result(None)
-
-    _direct.submit(fetch)
-    return future
-
-  chunks = (rows, *shape[1:]) if shape else ()
-  layout = ts.ChunkLayout(read_chunk_shape=chunks) if shape and math.prod(shape) else None
-  return ts.virtual_chunked(read, dtype=ts.dtype(dtype.name), shape=shape, chunk_layout=layout)
+  return lazy_store(shape, dtype, (rows, *shape[1:]), read)
 
 
 def _weights(folder: str) -> str:
