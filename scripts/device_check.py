@@ -10,7 +10,8 @@ SingleDeviceSharding (a bare Sharding as restore target, shape and dtype from th
 
 Checks (any failure: exit status 1): ucp_jax.save, then ucp_jax.restore onto the same sharding,
 the other one and host numpy (`restore(path)`); ucp_jax.reshard onto the other sharding with
-method "auto" and "device_put"; every result's crc32 equals the original's, and its sharding is
+method "auto" and "device_put"; save_async against Orbax's async save, each followed by a
+jitted step that donates the state (the training-loop stall); every result's crc32 equals the original's, and its sharding is
 the one asked for; `ucp_jax.open(path).verify()` finds nothing; a dtype the checkpoint does not
 hold is refused with cast off. Timings (best of `--repeat`; never a failure) against
 ocp.StandardCheckpointer (save + wait_until_finished, restore(path, abstract tree)) and
@@ -31,6 +32,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import traceback
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -236,7 +238,52 @@ def run(args, root: str) -> dict:
     c.time(f"ucp reshard, {method}",
            lambda m=method: jax.block_until_ready(ucp_jax.reshard(state, diff, method=m)),
            verify=lambda r: mismatches(r, crcs, diff))  # fmt: skip
+  async_saves(c, root, state, crcs, same, same_t, ocp.StandardCheckpointer)
   return {**info, "ok": all(x["ok"] for x in c.checks), "checks": c.checks, "timings": c.timings}
+
+
+def async_saves(c: Check, root: str, state, crcs, same, same_t, ckptr_factory) -> None:
+  """The training-loop stall of an asynchronous save, as scripts/bench_async.py measures it.
+
+  Each try: a fresh copy of the state; start the save (the stall); one jitted step that donates
+  the state; wait for the commit. The checkpoint must hold the values from before the step.
+  """
+  step = jax.jit(lambda s: jax.tree.map(lambda a: a * 0.5 + 1.0, s), donate_argnums=0)
+  copy = jax.jit(lambda s: jax.tree.map(lambda a: a + 0, s))
+  jax.block_until_ready(step(copy(state)))  # both compiled before timing
+  ckptr = ckptr_factory()
+  contenders = {
+    "ucp": (lambda p, s: ucp_jax.save_async(p, s), lambda h: h.result(),
+            lambda p: ucp_jax.restore(p, same_t)),
+    "orbax": (lambda p, s: ckptr.save(p, s), lambda h: ckptr.wait_until_finished(),
+              lambda p: ckptr.restore(p, same_t)),
+  }  # fmt: skip
+  tries = {(name, phase): [] for name in contenders for phase in ("stall", "total")}
+  problems = dict.fromkeys(contenders)
+  for i in range(c.repeat + 1):  # interleaved; the first round is an untimed warm-up
+    for name, (start, finish, read) in contenders.items():
+      live = jax.block_until_ready(copy(state))
+      path = os.path.join(root, f"async_{name}_{i}")
+      os.sync()
+      t0 = time.perf_counter()
+      handle = start(path, live)
+      t1 = time.perf_counter()
+      live = jax.block_until_ready(step(live))
+      finish(handle)
+      t2 = time.perf_counter()
+      if i:
+        tries[name, "stall"].append(t1 - t0)
+        tries[name, "total"].append(t2 - t0)
+      problems[name] = problems[name] or mismatches(read(path), crcs, same)
+      del live
+      shutil.rmtree(path, ignore_errors=True)
+  ckptr.close()
+  labels = {"ucp": "ucp save_async", "orbax": "orbax async save"}
+  for (name, phase), values in tries.items():
+    c.timings[f"{labels[name]} {phase}"] = {"seconds": min(values), "tries": values}
+    print(f"  {labels[name]} {phase}: {min(values):.3f} s", flush=True)
+  for name, problem in problems.items():
+    c.check(f"{labels[name]} holds the values from before the donating step", lambda p=problem: p)
 
 
 ROWS = [  # (table row, ucp_jax timing, baseline timing)
@@ -246,6 +293,8 @@ ROWS = [  # (table row, ucp_jax timing, baseline timing)
   ("restore, host numpy", "ucp restore, host numpy", None),
   ("reshard, auto", "ucp reshard, auto", "jax.device_put"),
   ("reshard, device_put", "ucp reshard, device_put", "jax.device_put"),
+  ("async save: stall", "ucp save_async stall", "orbax async save stall"),
+  ("async save: stall+step+commit", "ucp save_async total", "orbax async save total"),
 ]
 
 

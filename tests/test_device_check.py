@@ -30,11 +30,17 @@ def test_device_check_passes_on_cpu(tmp_path, devices):
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   res = json.loads((tmp_path / "device_check.json").read_text())
   assert res["ok"] and res["devices"] == devices and res["platform"] == "cpu"
-  assert len(res["checks"]) == 7 and all(c["ok"] for c in res["checks"]), res["checks"]
+  assert len(res["checks"]) == 9 and all(c["ok"] for c in res["checks"]), res["checks"]
   assert res["reshard_auto_picks"] == "host copies"
   assert res["state_bytes"] == 16 << 20
-  for name in ("ucp save", "orbax save", "ucp reshard, auto", "jax.device_put"):
+  for name in (
+    "ucp save",
+    "orbax save",
+    "ucp reshard, auto",
+    "jax.device_put",
+    "ucp save_async stall",
+  ):
     assert res["timings"][name]["seconds"] > 0
   table = (tmp_path / "device_check.txt").read_text()
-  assert "correctness: 7/7 checks passed" in table and "reshard, auto" in table
+  assert "correctness: 9/9 checks passed" in table and "reshard, auto" in table
   assert [p.name for p in tmp_path.iterdir() if p.name.startswith("ucp_device_check_")] == []

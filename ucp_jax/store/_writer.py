@@ -180,7 +180,7 @@ class Writer:
         future, n = pending.pop(0)
         future.result()
         held -= n
-      host = slab(np.asarray(data), index, origin)
+      host = slab(host_array(data), index, origin)
       immutable = _is_jax_array(entry.value) or entry.owned is not None  # never changes
       pending.append((self._write(entry.key, host, index, immutable), nbytes))
       held += nbytes
@@ -325,9 +325,44 @@ def owned_shards(entries: list[Entry], primary: bool) -> Iterator[tuple[Entry, t
     elif primary:
       full = tuple(slice(0, d) for d in entry.info.shape)
       yield entry, full, entry.value, full
-  for _, _, data, _ in jax_shards:
-    data.copy_to_host_async()
-  yield from jax_shards
+  copies: dict[int, Any] = {}  # a shard holding several regions is copied once
+  for entry, region, data, origin in jax_shards:
+    copy = copies.get(id(data))
+    if copy is None:
+      copy = copies[id(data)] = start_host_copy(data)
+    yield entry, region, copy, origin
+
+
+# Platforms whose shards are copied to pinned host memory (Orbax does the same on GPUs). On an
+# H200, 1 GiB took 0.6 s through `copy_to_host_async` (pageable memory), 0.03 s pinned.
+PINNED_PLATFORMS = ("gpu",)
+
+
+@dataclasses.dataclass(frozen=True)
+class PinnedCopy:
+  """A shard's copy in pinned host memory: a buffer this save alone holds."""
+
+  array: Any  # a jax.Array whose memory kind is "pinned_host"
+
+
+def start_host_copy(data: Any) -> Any:
+  """Starts copying a device shard to host memory; `host_array` of the result waits for it."""
+  jax = sys.modules["jax"]
+  device = next(iter(data.devices()))
+  if (
+    device.platform in PINNED_PLATFORMS
+    and data.sharding.memory_kind in (None, "device")
+    and any(m.kind == "pinned_host" for m in device.addressable_memories())
+  ):
+    pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    return PinnedCopy(jax.device_put(data, pinned))
+  data.copy_to_host_async()
+  return data
+
+
+def host_array(data: Any) -> np.ndarray:
+  """The host values of what `owned_shards` yields (a view where that costs no copy)."""
+  return np.asarray(data.array if isinstance(data, PinnedCopy) else data)
 
 
 def slab(host: np.ndarray, region: tuple, origin: tuple) -> np.ndarray:

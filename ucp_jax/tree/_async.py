@@ -169,8 +169,10 @@ def _host_copy(data: Any) -> np.ndarray:
   jax arrays are immutable, and XLA does not reuse a donated buffer that a view still
   references (the donating step writes its result to fresh memory instead), so nothing is
   copied before the training loop goes on. A numpy leaf is the caller's own, mutable
-  array: it is copied.
+  array: it is copied. A copy in pinned host memory (GPUs) is this save's own.
   """
+  if isinstance(data, _writer.PinnedCopy):
+    return _writer.host_array(data)
   if isinstance(data, jax.Array):
     platform = next(iter(data.devices())).platform
     if platform == "cpu" or data.sharding.memory_kind in (None, "device"):
