@@ -341,3 +341,78 @@ def test_a_zstd_checkpoint_of_zeros_converts(tmp_path, monkeypatch):
   report = ucp_jax.convert(tmp_path / "orbax", tmp_path / "ucp")
   assert report.bytes == tree["mu"].nbytes + tree["w"].nbytes
   np.testing.assert_array_equal(ucp_jax.open(tmp_path / "ucp").read("mu"), tree["mu"])
+
+
+# On object stores: `memory://` and `file://` URLs stand in for `gs://` and `s3://` (the same
+# kvstore listings and reads).
+
+_uploads = iter(range(10**6))
+
+
+def _upload_tree(local, url: str) -> str:
+  """Copies every file below `local` to the objects below `url`; returns `url`."""
+  from ucp_jax.store import _location
+
+  store = _location.kvstore(_location.resolve(url + "/"))
+  for path in sorted(p for p in local.rglob("*") if p.is_file()):
+    store.write(path.relative_to(local).as_posix(), path.read_bytes()).result()
+  return url
+
+
+@pytest.mark.parametrize(
+  "layout", [LAYOUTS[0], LAYOUTS[-1]], ids=["ocdbt-zarr2-zstd", "folders-zarr3-raw"]
+)
+def test_a_checkpoint_on_an_object_store_restores_and_converts(tmp_path, state, mesh, layout):
+  from ucp_jax.sources import _registry
+
+  S.save(tmp_path / "orbax", state, **layout)
+  url = _upload_tree(tmp_path / "orbax", f"memory://orbax{next(_uploads)}/ckpt")
+  assert _registry.sniff(url).NAME == "orbax"
+  ckpt = ucp_jax.open(url)
+  assert ckpt.keys() == ucp_jax.open(tmp_path / "orbax").keys()
+  assert ckpt.manifest.source["format"] == "orbax" and ckpt.step == 2
+  S.assert_same(ucp_jax.restore(url, S.on_mesh(S.abstract(), mesh)), state)
+  assert ckpt.verify() == {}
+  ucp_jax.convert(url, tmp_path / "ucp")
+  S.assert_same(ucp_jax.restore(tmp_path / "ucp", S.on_mesh(S.abstract(), mesh)), state)
+  file_url = f"file://{tmp_path / 'orbax'}"
+  S.assert_same(ucp_jax.restore(file_url, S.on_mesh(S.abstract(), mesh)), state)
+
+
+def test_manager_steps_on_an_object_store(tmp_path, state, mesh, capsys):
+  root = _manager_with_steps(tmp_path / "run", state)
+  for folder in (os.path.join(root, "2"), os.path.join(root, "2", "default")):
+    os.remove(os.path.join(folder, "commit_success.txt"))
+  metadata = os.path.join(root, "2", "_CHECKPOINT_METADATA")
+  with open(metadata) as f:
+    data = json.load(f)
+  with open(metadata, "w") as f:
+    json.dump({**data, "commit_timestamp_nsecs": None}, f)
+  url = _upload_tree(tmp_path / "run", f"memory://orbax{next(_uploads)}/run")
+  assert _cli.main(["inspect", url]) == 2
+  err = capsys.readouterr().err.replace("\n", "")
+  assert "steps 1 (latest 1); not committed, so not read: 2" in err and f"{url}/1" in err
+  with pytest.raises(ucp_jax.CheckpointNotFoundError, match="committed steps beside it: 1"):
+    ucp_jax.open(f"{url}/2/default")
+  assert ucp_jax.open(f"{url}/1").step == 1
+  assert _cli.main(["convert", f"{url}/1/default", str(tmp_path / "ucp")]) == 0
+  S.assert_same(ucp_jax.restore(tmp_path / "ucp", S.on_mesh(S.abstract(), mesh)), state)
+
+
+def test_missing_objects_on_an_object_store_are_named(tmp_path, state):
+  S.save(tmp_path / "orbax", state)
+  url = f"memory://orbax{next(_uploads)}/ckpt"
+  files = {p.relative_to(tmp_path / "orbax").as_posix() for p in (tmp_path / "orbax").rglob("*")}
+  _upload_tree(tmp_path / "orbax", url)
+  from ucp_jax.store import _location
+
+  store = _location.kvstore(_location.resolve(url + "/"))
+  store.write("manifest.ocdbt", None).result()  # deleted
+  assert "manifest.ocdbt" in files
+  with pytest.raises(ucp_jax.SourceFormatError, match=rf"{url}/manifest.ocdbt: missing"):
+    ucp_jax.open(url)
+  store.write("_METADATA", b"{not json").result()
+  with pytest.raises(ucp_jax.SourceFormatError, match=rf"{url}/_METADATA: not readable JSON"):
+    ucp_jax.open(url)
+  with pytest.raises(ucp_jax.CheckpointNotFoundError, match="no committed checkpoint"):
+    ucp_jax.open(f"memory://orbax{next(_uploads)}/nothing")

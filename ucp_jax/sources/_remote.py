@@ -36,14 +36,17 @@ class Folder:
       raise SourceFormatError(f"{url}: cannot be opened ({_location.error_text(e)})") from None
     return cls(url, store)
 
-  def names(self) -> list[str]:
-    """The object names directly below the folder (no deeper ones), sorted."""
+  def all_names(self) -> list[str]:
+    """The names of every object below the folder, deeper ones too (`d/x`), sorted."""
     try:
       keys = self.store.list().result()
     except Exception as e:
       raise SourceFormatError(f"{self.url}: cannot be listed ({_location.error_text(e)})") from None
-    names = {k.decode("utf-8", "replace") for k in keys}
-    return sorted(n for n in names if n and "/" not in n)
+    return sorted({k.decode("utf-8", "replace") for k in keys} - {""})
+
+  def names(self) -> list[str]:
+    """The object names directly below the folder (no deeper ones), sorted."""
+    return [n for n in self.all_names() if "/" not in n]
 
   def path(self, name: str) -> str:
     return f"{self.url}/{name}"

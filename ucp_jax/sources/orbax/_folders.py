@@ -17,6 +17,7 @@ import os
 import re
 
 from ucp_jax import _errors
+from ucp_jax.sources import _files
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 COMMIT_MARKER = "commit_success.txt"
@@ -43,19 +44,21 @@ class Item:
   name: str | None = None
 
 
-def looks_like(path: str) -> bool:
+def looks_like(path: str, fs: _files.Files | None = None) -> bool:
   """Whether `path` is an Orbax item, step or `CheckpointManager` folder (file names only)."""
-  if not os.path.isdir(path):
+  fs = fs or _files.for_path(path)
+  path = fs.absolute(path)
+  if not fs.isdir(path):
     return False
-  if TMP_SUFFIX in os.path.basename(os.path.normpath(path)):
+  if TMP_SUFFIX in os.path.basename(path):
     return True
-  names = set(os.listdir(path))
+  names = set(fs.listdir(path))
   if names & {*_ITEM_FILES, CHECKPOINT_METADATA, COMMIT_MARKER}:
     return True
-  return bool(_steps(path))
+  return bool(_steps(fs, path))
 
 
-def find(path: str) -> Item:
+def find(path: str, fs: _files.Files | None = None) -> Item:
   """The committed pytree item `path` names: an item folder, or a step folder with one item.
 
   Raises:
@@ -63,21 +66,22 @@ def find(path: str) -> Item:
     SourceFormatError: a `CheckpointManager` root (the message lists its steps), a step
       folder with no pytree item or several, or an item written by ucp_jax itself.
   """
-  path = os.path.abspath(path)
-  names = set(os.listdir(path))
+  fs = fs or _files.for_path(path)
+  path = fs.absolute(path)
+  names = set(fs.listdir(path))
   parent = os.path.dirname(path)
   if names & set(_ITEM_FILES):
-    in_step = CHECKPOINT_METADATA not in names and os.path.isfile(
+    in_step = CHECKPOINT_METADATA not in names and fs.isfile(
       os.path.join(parent, CHECKPOINT_METADATA)
     )
     if in_step:
-      _check_committed(parent)
-    _check_committed(path)
+      _check_committed(fs, parent)
+    _check_committed(fs, path)
     step = _step_number(parent) if in_step else None
     return Item(path, step, os.path.basename(path) if in_step else None)
   if CHECKPOINT_METADATA in names or TMP_SUFFIX in os.path.basename(path):
-    return _item_of_step(path)
-  steps = _steps(path)
+    return _item_of_step(fs, path)
+  steps = _steps(fs, path)
   if steps:
     raise _errors.SourceFormatError(_root_message(path, steps))
   raise _errors.SourceFormatError(
@@ -85,14 +89,14 @@ def find(path: str) -> Item:
   )
 
 
-def _item_of_step(step: str) -> Item:
-  _check_committed(step)
-  items = sorted(n for n in os.listdir(step) if os.path.isdir(os.path.join(step, n)))
-  trees = [n for n in items if set(os.listdir(os.path.join(step, n))) & set(_ITEM_FILES)]
-  ours = [n for n in items if os.path.isfile(os.path.join(step, n, UCP_MANIFEST))]
+def _item_of_step(fs: _files.Files, step: str) -> Item:
+  _check_committed(fs, step)
+  items = [n for n in fs.listdir(step) if fs.isdir(os.path.join(step, n))]
+  trees = [n for n in items if set(fs.listdir(os.path.join(step, n))) & set(_ITEM_FILES)]
+  ours = [n for n in items if fs.isfile(os.path.join(step, n, UCP_MANIFEST))]
   if len(trees) == 1:
     folder = os.path.join(step, trees[0])
-    _check_committed(folder)
+    _check_committed(fs, folder)
     return Item(folder, _step_number(step), trees[0])
   if trees:
     shown = ", ".join(os.path.join(step, n) for n in trees)
@@ -110,28 +114,27 @@ def _item_of_step(step: str) -> Item:
   )
 
 
-def _check_committed(folder: str) -> None:
+def _check_committed(fs: _files.Files, folder: str) -> None:
   """Raises for a folder whose save did not finish."""
-  why = _unfinished(folder)
+  why = _unfinished(fs, folder)
   if why is not None:
     raise _errors.CheckpointNotFoundError(
       f"{folder}: an Orbax save that did not finish ({why}); nothing of it is read"
-      + _committed_steps(os.path.dirname(folder))
+      + _committed_steps(fs, os.path.dirname(folder))
     )
 
 
-def _unfinished(folder: str) -> str | None:
+def _unfinished(fs: _files.Files, folder: str) -> str | None:
   """Why `folder` holds no committed save, or None when it does."""
   if TMP_SUFFIX in os.path.basename(folder):
     return f"its folder still has its temporary name, *{TMP_SUFFIX}*"
-  if os.path.isfile(os.path.join(folder, COMMIT_MARKER)):
+  if fs.isfile(os.path.join(folder, COMMIT_MARKER)):
     return None
   metadata_file = os.path.join(folder, CHECKPOINT_METADATA)
-  if not os.path.isfile(metadata_file):
+  if not fs.isfile(metadata_file):
     return None  # an Orbax version that committed by the rename alone
   try:
-    with open(metadata_file, "rb") as f:
-      metadata = json.loads(f.read())
+    metadata = json.loads(fs.read(metadata_file))
   except (OSError, ValueError) as e:
     raise _errors.SourceFormatError(f"{metadata_file}: not readable JSON ({e})") from e
   if not isinstance(metadata, dict) or metadata.get("commit_timestamp_nsecs") is None:
@@ -144,24 +147,24 @@ def _step_number(folder: str) -> int | None:
   return int(match.group(1)) if match else None
 
 
-def _steps(root: str) -> dict[str, bool]:
+def _steps(fs: _files.Files, root: str) -> dict[str, bool]:
   """The step folders of a `CheckpointManager` root: name -> committed."""
   out = {}
-  for name in sorted(os.listdir(root)):
+  for name in fs.listdir(root):
     folder = os.path.join(root, name)
-    if not _STEP.match(name) or not os.path.isdir(folder):
+    if not _STEP.match(name) or not fs.isdir(folder):
       continue
-    inside = set(os.listdir(folder))
+    inside = set(fs.listdir(folder))
     if CHECKPOINT_METADATA in inside or COMMIT_MARKER in inside:
       try:
-        out[name] = _unfinished(folder) is None
+        out[name] = _unfinished(fs, folder) is None
       except _errors.UcpError:
         out[name] = False
   return out
 
 
-def _committed_steps(root: str) -> str:
-  steps = _steps(root) if os.path.isdir(root) else {}
+def _committed_steps(fs: _files.Files, root: str) -> str:
+  steps = _steps(fs, root) if fs.isdir(root) else {}
   done = sorted((n for n, ok in steps.items() if ok), key=lambda n: _step_number(n) or 0)
   return f" (committed steps beside it: {', '.join(done)})" if done else ""
 

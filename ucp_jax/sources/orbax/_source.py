@@ -18,8 +18,10 @@ import numpy as np
 import tensorstore as ts
 
 from ucp_jax import _errors
+from ucp_jax.sources import _files
 from ucp_jax.sources._source_plan import Plan, Tensor
 from ucp_jax.sources.orbax import _folders, _train_state, _tree_metadata
+from ucp_jax.store import _location
 from ucp_jax.store._location import error_text
 
 NAME = "orbax"
@@ -43,6 +45,14 @@ def sniff(path: str) -> bool:
   return _folders.looks_like(path)
 
 
+def sniff_remote(url: str) -> bool:
+  """`sniff` for a URL: one listing of the prefix."""
+  try:
+    return _folders.looks_like(url)
+  except _errors.SourceFormatError:
+    return False
+
+
 def describe(path: str, *, hyperparams: dict | list[dict] | None = None) -> Plan:
   """Every leaf of the checkpoint as a lazily read array, from the metadata only.
 
@@ -57,16 +67,17 @@ def describe(path: str, *, hyperparams: dict | list[dict] | None = None) -> Plan
     SourceFormatError: a manager folder (the message lists the steps), a missing OCDBT
       manifest, metadata or array files that are missing or not Orbax's (all listed).
   """
-  item = _folders.find(path)
-  meta = _tree_metadata.read(item.folder)
+  fs = _files.for_path(path)
+  item = _folders.find(path, fs)
+  meta = _tree_metadata.read(item.folder, fs)
   manifest = os.path.join(item.folder, _folders.OCDBT_MANIFEST)
-  if meta.use_ocdbt and not os.path.isfile(manifest):
+  if meta.use_ocdbt and not fs.isfile(manifest):
     first = f" (`{meta.leaves[0].key}`, ...)" if meta.leaves else ""
     raise _errors.SourceFormatError(
       f"{manifest}: missing: the OCDBT manifest that indexes all {len(meta.leaves)} arrays"
       f"{first} of this checkpoint (`use_ocdbt` in {_folders.TREE_METADATA})"
     )
-  tensors = _open_all(meta)
+  tensors = _open_all(meta, fs.kvstore_spec(item.folder))
   state = _train_state.infer(tensors, hyperparams)
   step = item.step if item.step is not None else state.step
   variables = [leaf.key for leaf in meta.leaves if leaf.variable]
@@ -106,11 +117,16 @@ MAX_COMPRESSION_RATIO = 1032.0
 torch reader's zip bound: zstd of all-zero chunks reaches it, forged metadata goes past it)."""
 
 
-def _open_all(meta: _tree_metadata.TreeMetadata) -> dict[str, Tensor]:
-  """Opens every leaf's array (metadata reads only, all at once); lists every failure."""
-  context = ts.Context(_CONTEXT)
+def _open_all(meta: _tree_metadata.TreeMetadata, folder: dict) -> dict[str, Tensor]:
+  """Opens every leaf's array (metadata reads only, all at once); lists every failure.
+
+  `folder` is the kvstore spec of the item folder.
+  """
+  # Resources it does not name (a `memory://` store's data, credentials) are ucp_jax's own.
+  context = ts.Context(_CONTEXT, parent=_location.CONTEXT)
   futures = [
-    (leaf, ts.open(_spec(meta, leaf.name), read=True, context=context)) for leaf in meta.leaves
+    (leaf, ts.open(_spec(meta, folder, leaf.name), read=True, context=context))
+    for leaf in meta.leaves
   ]
   tensors: dict[str, Tensor] = {}
   causes: dict[str, list[str]] = {}  # the innermost error -> each array's full message
@@ -137,19 +153,17 @@ def _open_all(meta: _tree_metadata.TreeMetadata) -> dict[str, Tensor]:
   return tensors
 
 
-def _spec(meta: _tree_metadata.TreeMetadata, name: str) -> dict:
+def _spec(meta: _tree_metadata.TreeMetadata, folder: dict, name: str) -> dict:
   """The TensorStore spec of the array `name`, as Orbax's `ArrayReadSpec` builds it."""
-  folder = meta.folder.rstrip("/") + "/"
   if meta.use_ocdbt:
-    base = {"driver": "file", "path": folder}
     kvstore = {
       "driver": "ocdbt",
-      "base": base,
+      "base": folder,
       "path": name + "/",
       "cache_pool": "cache_pool#ocdbt",
     }
   else:
-    kvstore = {"driver": "file", "path": f"{folder}{name}/"}
+    kvstore = {**folder, "path": f"{folder.get('path', '')}{name}/"}
   return {
     "driver": "zarr3" if meta.use_zarr3 else "zarr",
     "kvstore": kvstore,

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import glob
 import json
 import os
 from typing import Any
 
 from ucp_jax import _errors
+from ucp_jax.sources import _files
 from ucp_jax.sources.orbax import _folders
 from ucp_jax.store import _keypath
 
@@ -64,7 +64,7 @@ class TreeMetadata:
   empty: dict[str, str]  # key -> Orbax type of each empty node (`None`, `Dict`, `Tuple`, ...)
 
 
-def read(folder: str) -> TreeMetadata:
+def read(folder: str, fs: _files.Files) -> TreeMetadata:
   """The item's leaves and storage options.
 
   Raises:
@@ -72,7 +72,7 @@ def read(folder: str) -> TreeMetadata:
       (every problem listed at once, each with its file and key).
   """
   file = os.path.join(folder, _folders.TREE_METADATA)
-  data = _json(file, what="the tree of the checkpoint (every leaf's path and type)")
+  data = _json(fs, file, what="the tree of the checkpoint (every leaf's path and type)")
   tree = data.get("tree_metadata") if isinstance(data, dict) else None
   if not isinstance(tree, dict):
     raise _errors.SourceFormatError(
@@ -92,7 +92,7 @@ def read(folder: str) -> TreeMetadata:
   if problems:
     raise _errors.SourceFormatError(_lines(problems))
   variables = _variables([p for p, _ in entries])
-  prng = _prng_impls(folder)
+  prng = _prng_impls(fs, folder)
   leaves, not_read, empty = [], {}, {}
   for path, value in entries:
     kind = str(value.get("value_type"))
@@ -115,9 +115,7 @@ def read(folder: str) -> TreeMetadata:
     folder=folder,
     leaves=leaves,
     not_read=not_read,
-    use_ocdbt=bool(
-      data.get("use_ocdbt", os.path.exists(os.path.join(folder, _folders.OCDBT_MANIFEST)))
-    ),
+    use_ocdbt=bool(data.get("use_ocdbt", fs.isfile(os.path.join(folder, _folders.OCDBT_MANIFEST)))),
     use_zarr3=bool(data.get("use_zarr3", False)),
     fill_missing=not data.get("store_array_data_equal_to_fill_value", False),
     sequences=sorted(sequences),
@@ -125,12 +123,11 @@ def read(folder: str) -> TreeMetadata:
   )
 
 
-def _json(file: str, *, what: str) -> Any:
-  if not os.path.isfile(file):
+def _json(fs: _files.Files, file: str, *, what: str) -> Any:
+  if not fs.isfile(file):
     raise _errors.SourceFormatError(f"{file}: missing: the file that holds {what}")
   try:
-    with open(file, "rb") as f:
-      return json.loads(f.read())
+    return json.loads(fs.read(file))
   except (OSError, ValueError) as e:
     raise _errors.SourceFormatError(f"{file}: not readable JSON ({e})") from e
 
@@ -162,11 +159,13 @@ def _variables(paths: list[tuple[str, ...]]) -> set[tuple[str, ...]]:
   }
 
 
-def _prng_impls(folder: str) -> dict[str, str]:
+def _prng_impls(fs: _files.Files, folder: str) -> dict[str, str]:
   """Stored array name -> PRNG implementation, from every process's array metadata."""
   out = {}
-  for file in sorted(glob.glob(os.path.join(glob.escape(folder), "array_metadatas", "*"))):
-    data = _json(file, what="the array metadata of one process")
+  metadatas = os.path.join(folder, "array_metadatas")
+  names = fs.listdir(metadatas) if fs.isdir(metadatas) else []
+  for file in (os.path.join(metadatas, n) for n in names):
+    data = _json(fs, file, what="the array metadata of one process")
     entries = data.get("array_metadatas") if isinstance(data, dict) else None
     for entry in entries if isinstance(entries, list) else []:
       meta = entry.get("array_metadata") if isinstance(entry, dict) else None
