@@ -82,3 +82,22 @@ class Folder:
     else:
       raise SourceFormatError(f"{self.path(name)}: larger than {limit} bytes")
     return self.read(name)[0]
+
+
+class ObjectBlob:
+  """One object of a `Folder`, read by byte ranges (a `torch._torch_zip.Blob`).
+
+  Its first read fixes the generation every later read must find (`Folder.read`).
+  """
+
+  size = None  # object stores say an object's size only in a listing or a metadata request
+  readahead = 64 << 10
+
+  def __init__(self, folder: Folder, name: str, generation=None) -> None:
+    self.folder, self.name, self.generation = folder, name, generation
+
+  def pread(self, at: int, n: int) -> bytes:
+    data, generation = self.folder.read(self.name, at, at + n, self.generation)
+    if self.generation is None:
+      self.generation = generation
+    return data

@@ -1,12 +1,15 @@
 """The chunks of DCP tensors, read lazily from the rank files with `pread`.
 
 Each chunk is a whole `torch.save` file inside a `.distcp` file (`_metadata`). When a chunk
-is first read, the safe reader opens that span (`torch._torch_file.load` with a `span`) and
-checks it: a tensor of the chunk's sizes and the declared dtype whose elements are one
-little-endian C-order run of the file (DCP saves compact clones). From then on the chunk is
-that run's byte offset: a region read takes from each chunk it meets only the bytes under it,
-one `pread` per contiguous run (the part's rows where it spans the trailing dimensions whole,
-else each row's span of columns), into the caller's buffer. Nothing stays mapped.
+is first read, the safe reader locates that span (`torch._torch_file.load_from` with a `span`,
+`locate`: its zip directory and pickle are read, no tensor bytes) and checks it: a tensor of
+the chunk's sizes and the declared dtype whose elements are one little-endian C-order run of
+the file (DCP saves compact clones). From then on the chunk is that run's byte offset: a
+region read takes from each chunk it meets only the bytes under it, one `pread` per contiguous
+run (the part's rows where it spans the trailing dimensions whole, else each row's span of
+columns), into the caller's buffer. Nothing stays mapped. On an object store (a `gs://`,
+`s3://`, `memory://` or `file://` URL) the same reads are byte-range requests, the runs of one
+read fetched as one range, each rank file pinned to the generation first read.
 
 `tensor(...)` gives a `Tensor` of the source plan whose `store` is a lazy TensorStore: each
 cell it reads (the chunks a converted checkpoint would have, split further to at most
@@ -20,18 +23,18 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-import mmap
 import os
 import sys
+import threading
 from typing import Any
 
 import numpy as np
 
 from ucp_jax._errors import SourceFormatError
-from ucp_jax.sources import _file_reads
+from ucp_jax.sources import _file_reads, _files, _remote
 from ucp_jax.sources._source_plan import Tensor, lazy_store
 from ucp_jax.sources.dcp._metadata import Chunk, Stored, TensorEntry
-from ucp_jax.sources.torch import _torch_file
+from ucp_jax.sources.torch import _torch_file, _torch_zip
 from ucp_jax.store import _regions, _zarr
 
 CELL_BYTES = 1 << 20
@@ -43,15 +46,48 @@ Region = _regions.Region
 class RankFiles:
   """The rank files of one DCP folder; where each chunk's elements start, found once."""
 
-  def __init__(self, folder: str):
+  def __init__(self, folder: str, fs: _files.Files | None = None):
     self.folder = folder
     self._starts: dict[tuple[str, Chunk], int] = {}
+    self._remote = _remote.Folder.at(folder) if (fs or _files.for_path(folder)).remote else None
+    self._objects: dict[str, _remote.ObjectBlob] = {}
+    self._lock = threading.Lock()
+
+  def _object(self, name: str) -> _remote.ObjectBlob:
+    """The rank file `name` on the object store: one blob, so one generation, for all reads."""
+    with self._lock:
+      if name not in self._objects:
+        self._objects[name] = _remote.ObjectBlob(self._remote, name)
+      return self._objects[name]
 
   def load(self, stored: Stored, what: str) -> Any:
     """The object of one `torch.save` blob, read safely (tensors map the file meanwhile)."""
     path = os.path.join(self.folder, stored.file)
+    span = (stored.offset, stored.length)
     try:
-      return _torch_file.load(path, span=(stored.offset, stored.length))
+      if self._remote is None:
+        return _torch_file.load(path, span=span)
+      if stored.length > _files.MAX_SMALL_FILE_BYTES:
+        raise SourceFormatError(
+          f"{path}: {what} is stored in {stored.length} bytes; an object of more than "
+          f"{_files.MAX_SMALL_FILE_BYTES} bytes is not read whole from an object store"
+        )
+      data = self._object(stored.file).pread(stored.offset, stored.length)
+      return _torch_file.load_from(_torch_zip.BytesBlob(data), f"{path}[{span[0]}:]")
+    except SourceFormatError as e:
+      raise type(e)(f"{e} ({what})") from e
+    except OSError as e:
+      raise SourceFormatError(f"{path}: cannot read {what} ({e.strerror or e})") from e
+
+  def _locate_span(self, stored: Stored, what: str) -> Any:
+    """The object of one `torch.save` blob, its tensors located (`ByteSpan`s), not read."""
+    path = os.path.join(self.folder, stored.file)
+    span = (stored.offset, stored.length)
+    try:
+      if self._remote is not None:
+        return _torch_file.load_from(self._object(stored.file), path, span=span, locate=True)
+      with _torch_zip.open_regular(path) as f:
+        return _torch_file.load_from(_torch_zip.FileBlob(f), path, span=span, locate=True)
     except SourceFormatError as e:
       raise type(e)(f"{e} ({what})") from e
     except OSError as e:
@@ -66,22 +102,22 @@ class RankFiles:
 
   def _locate(self, entry: TensorEntry, chunk: Chunk) -> int:
     what = f"`{entry.key}` chunk at {chunk.offsets}"
-    data = self.load(chunk.stored, what)
+    data = self._locate_span(chunk.stored, what)
     shown = f"{os.path.join(self.folder, chunk.stored.file)}: {what}"
-    if not isinstance(data, np.ndarray):
+    if not isinstance(data, _torch_zip.ByteSpan):
       raise SourceFormatError(f"{shown} holds a {type(data).__name__}, not a tensor")
-    if data.shape != chunk.sizes or data.dtype != entry.dtype:
+    shape = (data.size,) if data.shape is None else data.shape
+    if shape != chunk.sizes or data.dtype != entry.dtype:
       raise SourceFormatError(
-        f"{shown} holds a {data.dtype} tensor of shape {data.shape}; the metadata says "
+        f"{shown} holds a {data.dtype} tensor of shape {shape}; the metadata says "
         f"{entry.dtype} of sizes {chunk.sizes}"
       )
-    origin = _mapped(data)
-    if origin is None or not data.flags.c_contiguous or sys.byteorder != "little":
+    if not data.contiguous or data.swapped or sys.byteorder != "little":
       raise SourceFormatError(
         f"{shown} is not one little-endian C-order run of its file (a strided or big-endian "
         "tensor, which dcp.save does not write)"
       )
-    return data.__array_interface__["data"][0] - origin
+    return data.offset
 
   def read(self, entry: TensorEntry, chunk: Chunk, part: Region, out: np.ndarray) -> None:
     """Reads `part` (in the chunk's own coordinates) of a chunk into `out`, run by run."""
@@ -92,13 +128,18 @@ class RankFiles:
     while k > 0 and (part[k].start, part[k].stop) == (0, sizes[k]):
       k -= 1
     start = self.start(entry, chunk)
+    runs = []  # (byte of the rank file, where its elements go)
+    for lead in itertools.product(*(range(s.start, s.stop) for s in part[:k])):
+      at = start + sum(i * s for i, s in zip(lead, strides))
+      at += part[k].start * strides[k] if sizes else 0
+      runs.append((at, out[(*(i - s.start for i, s in zip(lead, part[:k])), Ellipsis)]))
+    if self._remote is not None:
+      self._fetch_runs(chunk.stored.file, runs)
+      return
     path = os.path.join(self.folder, chunk.stored.file)
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-      for lead in itertools.product(*(range(s.start, s.stop) for s in part[:k])):
-        at = start + sum(i * s for i, s in zip(lead, strides))
-        at += part[k].start * strides[k] if sizes else 0
-        target = out[(*(i - s.start for i, s in zip(lead, part[:k])), Ellipsis)]
+      for at, target in runs:
         if target.flags.c_contiguous:
           _pread(fd, path, at, target)
         else:  # a cell's part narrower than the cell: read the run, then place it
@@ -108,17 +149,14 @@ class RankFiles:
     finally:
       os.close(fd)
 
-
-def _mapped(array: np.ndarray) -> int | None:
-  """The address where the map behind `array` starts, or None if it is not a map's view."""
-  base: Any = array
-  while isinstance(base, np.ndarray):
-    base = base.base
-  if isinstance(base, memoryview):
-    base = base.obj
-  if not isinstance(base, mmap.mmap) or base.closed or not len(base):
-    return None
-  return np.frombuffer(base, np.uint8, 1).__array_interface__["data"][0]
+  def _fetch_runs(self, name: str, runs: list[tuple[int, np.ndarray]]) -> None:
+    """The runs of one region read from an object: one range request from the first run's
+    start to the last run's end (a cell's runs lie close together), copied out."""
+    first = runs[0][0]
+    data = self._object(name).pread(first, runs[-1][0] + runs[-1][1].nbytes - first)
+    for at, target in runs:
+      run = np.frombuffer(data, target.dtype, target.size, at - first)
+      target[...] = run.reshape(target.shape)
 
 
 def _pread(fd: int, path: str, at: int, out: np.ndarray) -> None:

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from ucp_jax._errors import SourceFormatError, bullet_list
+from ucp_jax.sources import _files, _remote
 from ucp_jax.sources.torch import _pickle_limits, _torch_pickle, _torch_zip
 from ucp_jax.sources.torch._pickle_records import Allowed, InertGlobal, InertObject
 from ucp_jax.sources.torch._torch_file import TorchDtype
@@ -95,7 +96,7 @@ class Layout:
   files: tuple[str, ...]
 
 
-def read(folder: str) -> Layout:
+def read(folder: str, fs: _files.Files | None = None) -> Layout:
   """Reads and checks `folder/.metadata` (see the module docstring).
 
   Raises:
@@ -103,8 +104,9 @@ def read(folder: str) -> Layout:
       describe the rank files beside it (every problem listed, with file and key).
     UnsafePickleError: the metadata pickle asks for something that can run code.
   """
+  fs = fs or _files.for_path(folder)
   path = os.path.join(folder, METADATA)
-  meta = _load(path)
+  meta = _load(path, fs)
   state = meta.state if isinstance(meta, InertObject) else None
   if (
     not isinstance(meta, InertObject)
@@ -146,24 +148,25 @@ def read(folder: str) -> Layout:
     else:
       problems.append(f"{where}: {_name(md)} is neither Tensor- nor BytesStorageMetadata")
   files = sorted({e.stored.file for e in _blobs(entries)})
-  problems += _check_files(folder, entries, files)
+  problems += _check_files(folder, entries, files, fs)
   if problems:
     raise SourceFormatError(f"{folder}: not a DCP checkpoint it can read:\n{bullet_list(problems)}")
   clean = {k: tuple(v) for k, v in paths.items() if isinstance(v, tuple) and k in entries}
   return Layout(folder, version, entries, clean, tuple(files))
 
 
-def _load(path: str) -> Any:
+def _load(path: str, fs: _files.Files) -> Any:
   extra = {
     ("torch", "Size"): Allowed("torch.Size", _size),
     ("pathlib", "PosixPath"): Allowed("pathlib.PosixPath", _path_parts),
   }
   try:
-    with _torch_zip.open_regular(path) as f:
-      data = f.read(_pickle_limits.MAX_PICKLE_BYTES + 1)
+    if fs.remote and not fs.isfile(path):
+      raise FileNotFoundError(path)
+    data = fs.read(path, _pickle_limits.MAX_PICKLE_BYTES)
   except FileNotFoundError:
     folder = os.path.dirname(path)
-    if os.path.exists(os.path.join(folder, "__0" + METADATA)):
+    if fs.isfile(os.path.join(folder, "__0" + METADATA)):
       raise SourceFormatError(
         f"{path}: missing, and __0{METADATA} is there: each rank's own metadata (a save "
         "without collectives), which this reader does not merge"
@@ -343,18 +346,20 @@ def _blobs(entries: dict) -> list:
   return out
 
 
-def _check_files(folder: str, entries: dict, files: list[str]) -> list[str]:
+def _check_files(folder: str, entries: dict, files: list[str], fs: _files.Files) -> list[str]:
   """Each rank file exists, is a regular file, and holds the spans stored in it."""
   users: dict[str, list[str]] = {}
   for key, entry in entries.items():
     for name in dict.fromkeys(b.stored.file for b in _blobs({key: entry})):
       users.setdefault(name, []).append(key)
+  if fs.remote:
+    return _check_objects(folder, entries, users, fs)
   problems = []
   sizes = {}
   for name in files:
     full = os.path.join(folder, name)
     keys = users[name]
-    shown = ", ".join(f"`{k}`" for k in keys[:3]) + (" ..." if len(keys) > 3 else "")
+    shown = _some(keys)
     try:
       with _torch_zip.open_regular(full) as f:
         sizes[name] = os.fstat(f.fileno()).st_size
@@ -374,5 +379,36 @@ def _check_files(folder: str, entries: dict, files: list[str]) -> list[str]:
           f"{os.path.join(folder, stored.file)}: `{key}`{at} is stored at bytes "
           f"{stored.offset}..{stored.offset + stored.length}, past the end of the file ({size} "
           "bytes): truncated?"
+        )
+  return problems
+
+
+def _some(keys: list[str]) -> str:
+  return ", ".join(f"`{k}`" for k in keys[:3]) + (" ..." if len(keys) > 3 else "")
+
+
+def _check_objects(
+  folder: str, entries: dict, users: dict[str, list[str]], fs: _files.Files
+) -> list[str]:
+  """`_check_files` on an object store, where sizes are not listed: each rank file's last
+  stored byte is read (one small request per file)."""
+  ends: dict[str, int] = {}
+  for blob in _blobs(entries):
+    stored = blob.stored
+    ends[stored.file] = max(ends.get(stored.file, 0), stored.offset + stored.length)
+  problems = []
+  for name, keys in users.items():
+    full = os.path.join(folder, name)
+    if not fs.isfile(full):
+      problems.append(
+        f"{full}: missing (a rank file; {len(keys)} entries are stored in it: {_some(keys)})"
+      )
+    elif ends[name]:
+      try:
+        _remote.Folder.at(folder).read(name, ends[name] - 1, ends[name])
+      except SourceFormatError:
+        problems.append(
+          f"{full}: shorter than the {ends[name]} bytes its entries are stored in ({_some(keys)}): "
+          "truncated?"
         )
   return problems

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from ucp_jax._errors import SourceFormatError, UnsafePickleError, bullet_list
+from ucp_jax.sources import _files
 from ucp_jax.sources._source_plan import Param, Plan, Tensor, jsonable, number
 from ucp_jax.sources.dcp import _chunks, _metadata
 from ucp_jax.sources.dcp._metadata import BytesEntry, Layout, TensorEntry
@@ -41,10 +42,16 @@ MODEL_KEYS = ("model",)
 OPTIMIZER_KEYS = ("optim", "optimizer")
 
 
-def sniff(path: str) -> bool:
+def sniff(path: str, fs: _files.Files | None = None) -> bool:
   """A folder with a `.metadata` file, or rank 0's `__0.metadata` (file names only)."""
+  fs = fs or _files.for_path(path)
   names = (_metadata.METADATA, "__0" + _metadata.METADATA)
-  return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, n)) for n in names)
+  return fs.isdir(path) and any(fs.isfile(os.path.join(path, n)) for n in names)
+
+
+def sniff_remote(url: str) -> bool:
+  """`sniff` for a URL: one listing of the prefix."""
+  return sniff(url.rstrip("/"), _files.RemoteFiles())
 
 
 def describe(path: str) -> Plan:
@@ -57,10 +64,12 @@ def describe(path: str) -> Plan:
       optimizer as `get_state_dict` lays them out (every problem listed, file and key).
     UnsafePickleError: the metadata pickle asks for something that can run code.
   """
-  if not os.path.isdir(path):
+  fs = _files.for_path(path)
+  path = fs.absolute(path) if fs.remote else path
+  if not fs.isdir(path):
     raise SourceFormatError(f"{path}: a DCP checkpoint is a folder")
-  layout = _metadata.read(path)
-  files = _chunks.RankFiles(path)
+  layout = _metadata.read(path, fs)
+  files = _chunks.RankFiles(path, fs)
   meta = os.path.join(path, _metadata.METADATA)
   model, state, groups, other, problems = _split(layout, meta)
   tensors = {
@@ -325,7 +334,7 @@ def _source(path: str, layout: Layout) -> dict:
   return {
     "framework": "torch",
     "format": NAME,
-    "path": os.path.abspath(path),
+    "path": path if "://" in path else os.path.abspath(path),
     "dcp_version": layout.version,
     "files": len(layout.files),
   }

@@ -159,14 +159,30 @@ def load(path: str | os.PathLike, *, mmap: bool = True, span: tuple[int, int] | 
     OSError: the file cannot be opened or read.
   """
   path = os.fspath(path)
-  shown = path if span is None else f"{path}[{span[0]}:{span[0] + span[1]}]"
   with _torch_zip.open_regular(path) as f:
-    archive = _torch_zip.Archive(shown, f, mmap, span)
-    data = archive.read(archive.entry("data.pkl"), _pickle_limits.MAX_PICKLE_BYTES)
-    tensors = _Tensors(shown, functools.partial(_storage, archive))
-    return _torch_pickle.loads(
-      data, source=shown, extra_globals=tensors.globals(), persistent_load=tensors.persistent_load
-    )
+    return load_from(_torch_zip.FileBlob(f), path, mmap=mmap, span=span)
+
+
+def load_from(
+  blob: _torch_zip.Blob,
+  path: str,
+  *,
+  mmap: bool = False,
+  span: tuple[int, int] | None = None,
+  locate: bool = False,
+) -> Any:
+  """`load` of a torch file held by `blob` (named `path` in messages).
+
+  With `locate`, no tensor bytes are read: each tensor is a `_torch_zip.ByteSpan`, where its
+  elements lie in the blob (after every check `load` makes of shapes, strides and storages).
+  """
+  shown = path if span is None else f"{path}[{span[0]}:{span[0] + span[1]}]"
+  archive = _torch_zip.Archive(shown, blob, mmap, span, locate=locate)
+  data = archive.read(archive.entry("data.pkl"), _pickle_limits.MAX_PICKLE_BYTES)
+  tensors = _Tensors(shown, functools.partial(_storage, archive))
+  return _torch_pickle.loads(
+    data, source=shown, extra_globals=tensors.globals(), persistent_load=tensors.persistent_load
+  )
 
 
 def _storage(
@@ -188,7 +204,8 @@ def _storage(
 
 
 def _readonly(array: np.ndarray) -> np.ndarray:
-  array.flags.writeable = False
+  if isinstance(array, np.ndarray):  # (a located ByteSpan holds no bytes to protect)
+    array.flags.writeable = False
   return array
 
 
@@ -288,6 +305,8 @@ class _Tensors:
     contiguous = tuple(math.prod(size[i + 1 :]) for i in range(len(size)))
     if stride == contiguous or not numel:
       return data[offset : offset + numel].reshape(size)
+    if isinstance(data, _torch_zip.ByteSpan):
+      return data.strided(offset, size)
     strides = tuple(s * data.itemsize for s in stride)
     return np.lib.stride_tricks.as_strided(data[offset:], size, strides, writeable=False)
 

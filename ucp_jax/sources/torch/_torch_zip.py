@@ -6,17 +6,22 @@ deflated entry may not claim more than `MAX_DEFLATE_RATIO` times its compressed 
 read into memory no more than its caller's limit (`MAX_INFLATED_BYTES` for storages). Each
 breach is a `SourceFormatError` naming the file and the entry. A torch file may also be a span
 of a larger file (`Archive`'s `span`: DCP's `.distcp` files hold one per tensor chunk).
+
+The bytes come from a `Blob`: an open local file (`FileBlob`), bytes in memory (`BytesBlob`) or
+an object on an object store (`sources._remote.ObjectBlob`), each read by `pread`. An archive
+opened to `locate` reads no storage bytes: each storage is a `ByteSpan`, where its elements lie.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import mmap as mmap_lib
 import os
 import stat
 import struct
 import zipfile
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 import numpy as np
 
@@ -102,25 +107,114 @@ def find_root(path: str, zf: zipfile.ZipFile) -> str:
   return roots[0]
 
 
+class Blob(Protocol):
+  """Bytes read by offset: `size` is None where it is not known (an object on a store)."""
+
+  size: int | None
+  readahead: int  # bytes worth fetching beyond a small read (one request per read costs)
+
+  def pread(self, at: int, n: int) -> bytes:
+    """Up to `n` bytes from byte `at` (fewer only at the end)."""
+
+
+class FileBlob:
+  """An open local file."""
+
+  readahead = 0
+
+  def __init__(self, f: BinaryIO) -> None:
+    self.fileno = f.fileno()
+    self.size = os.fstat(self.fileno).st_size
+
+  def pread(self, at: int, n: int) -> bytes:
+    return os.pread(self.fileno, n, at)
+
+
+class BytesBlob:
+  """Bytes in memory (a span already read)."""
+
+  readahead = 0
+
+  def __init__(self, data: bytes) -> None:
+    self._data = memoryview(data)
+    self.size = len(data)
+
+  def pread(self, at: int, n: int) -> bytes:
+    return bytes(self._data[at : at + n])
+
+
+@dataclasses.dataclass(frozen=True)
+class ByteSpan:
+  """Where elements lie in a file, none read: a storage (and its tensors) of a located archive.
+
+  Supports what the torch reader does to a storage's array: 1-D slices, `view` as another
+  dtype, `reshape`, `byteswap` (recorded, for a big-endian file).
+  """
+
+  offset: int  # the file's byte of the first element
+  size: int  # elements
+  dtype: np.dtype
+  shape: tuple[int, ...] | None = None  # None: 1-D
+  contiguous: bool = True  # False: strided (the elements are not one C-order run)
+  swapped: bool = False
+
+  @property
+  def itemsize(self) -> int:
+    return self.dtype.itemsize
+
+  def __getitem__(self, key: slice) -> ByteSpan:
+    start, stop, step = key.indices(self.size)
+    if step != 1 or self.shape is not None:
+      raise TypeError("a ByteSpan takes 1-D slices of step 1 only")
+    return dataclasses.replace(self, offset=self.offset + start * self.itemsize, size=stop - start)
+
+  def view(self, dtype) -> ByteSpan:
+    dtype = np.dtype(dtype)
+    return dataclasses.replace(self, size=self.size * self.itemsize // dtype.itemsize, dtype=dtype)
+
+  def reshape(self, shape) -> ByteSpan:
+    return dataclasses.replace(self, shape=tuple(shape))
+
+  def strided(self, offset: int, shape: tuple[int, ...]) -> ByteSpan:
+    return dataclasses.replace(self[offset:], shape=tuple(shape), contiguous=False)
+
+  def byteswap(self) -> ByteSpan:
+    return dataclasses.replace(self, swapped=not self.swapped)
+
+
 class Archive:
   """An open torch zip file: its entries, byte order and storage bytes."""
 
   def __init__(
-    self, path: str, f: BinaryIO, use_mmap: bool, span: tuple[int, int] | None = None
+    self,
+    path: str,
+    blob: Blob,
+    use_mmap: bool,
+    span: tuple[int, int] | None = None,
+    locate: bool = False,
   ) -> None:
-    """Opens the torch file `f` (named `path` in messages), or the bytes `span` =
-    `(offset, length)` of it; entries and storages must lie inside those bytes."""
+    """Opens the torch file `blob` (named `path` in messages), or the bytes `span` =
+    `(offset, length)` of it; entries and storages must lie inside those bytes. Located
+    (`locate`), its storages are `ByteSpan`s, none of their bytes read."""
     self._path = path
-    file_size = os.fstat(f.fileno()).st_size
+    self._blob, self._locate = blob, locate
+    file_size = blob.size
+    if span is None and file_size is None:
+      raise SourceFormatError(f"{path}: a torch file of unknown size is read by spans only")
     self._start, self._size = (0, file_size) if span is None else span
-    if self._start < 0 or self._size < 0 or self._start + self._size > file_size:
+    if (
+      self._start < 0
+      or self._size < 0
+      or (file_size is not None and self._start + self._size > file_size)
+    ):
       raise SourceFormatError(
         f"{path}: bytes {self._start}..{self._start + self._size} lie outside the file "
         f"({file_size} bytes)"
       )
-    self._zip = open_zip(path, f if span is None else _Window(f, self._start, self._size))
+    self._zip = open_zip(path, _Window(blob, self._start, self._size))
     self._root = find_root(path, self._zip)
-    self._map = mmap_lib.mmap(f.fileno(), 0, access=mmap_lib.ACCESS_READ) if use_mmap else None
+    mapped = use_mmap and isinstance(blob, FileBlob) and not locate
+    self._map = mmap_lib.mmap(blob.fileno, 0, access=mmap_lib.ACCESS_READ) if mapped else None
     order = self.read(self.entry("byteorder"), _SMALL_ENTRY) if self.has("byteorder") else b"little"
     if order not in (b"little", b"big"):
       raise SourceFormatError(f"{path}: byteorder entry is {order[:20]!r}, not little or big")
@@ -186,12 +280,19 @@ class Archive:
     """Whether the file's `byteorder` entry says big-endian."""
     return self._big_endian
 
-  def payload(self, info: zipfile.ZipInfo, nbytes: int) -> np.ndarray:
-    """The first `nbytes` of checked entry `info`: mapped if stored and mapping, else read."""
-    if self._map is None or info.compress_type != zipfile.ZIP_STORED:
+  def payload(self, info: zipfile.ZipInfo, nbytes: int) -> np.ndarray | ByteSpan:
+    """The first `nbytes` of checked entry `info`: mapped if stored and mapping, located if
+    the archive locates, else read."""
+    stored = info.compress_type == zipfile.ZIP_STORED
+    if self._locate and not stored:
+      raise SourceFormatError(
+        f"{self._path}: storage {info.filename!r} is compressed, so its elements lie in no "
+        "one place of the file (torch never compresses storages)"
+      )
+    if not self._locate and (self._map is None or not stored):
       return np.frombuffer(self.read(info, MAX_INFLATED_BYTES), np.uint8)
     at = self._start + info.header_offset
-    header = self._map[at : at + _LOCAL_HEADER.size]
+    header = self._blob.pread(at, _LOCAL_HEADER.size)
     if len(header) < _LOCAL_HEADER.size or _LOCAL_HEADER.unpack(header)[0] != b"PK\x03\x04":
       raise SourceFormatError(f"{self._path}: entry {info.filename!r} has a corrupt zip header")
     _, name_len, extra_len = _LOCAL_HEADER.unpack(header)
@@ -200,6 +301,8 @@ class Archive:
       raise SourceFormatError(
         f"{self._path}: storage {info.filename!r} runs past the end of the file"
       )
+    if self._locate:
+      return ByteSpan(start, nbytes, np.dtype(np.uint8))
     if nbytes == 0:
       empty = np.empty(0, np.uint8)
       empty.flags.writeable = False
@@ -208,11 +311,16 @@ class Archive:
 
 
 class _Window(io.RawIOBase):
-  """Bytes `[start, start + size)` of an open file, read as a file of their own (for zipfile)."""
+  """Bytes `[start, start + size)` of a blob, read as a file of their own (for zipfile).
 
-  def __init__(self, f: BinaryIO, start: int, size: int) -> None:
+  Where requests cost (an object store), each read fetches `blob.readahead` bytes at least and
+  keeps them: zipfile's many small reads (the directory, a local header, data.pkl) become few.
+  """
+
+  def __init__(self, blob: Blob, start: int, size: int) -> None:
     super().__init__()
-    self._fd, self._start, self._size, self._pos = f.fileno(), start, size, 0
+    self._blob, self._start, self._size, self._pos = blob, start, size, 0
+    self._kept, self._kept_at = b"", 0
 
   def readable(self) -> bool:
     return True
@@ -232,7 +340,16 @@ class _Window(io.RawIOBase):
 
   def readinto(self, buffer) -> int:
     n = max(0, min(len(buffer), self._size - self._pos))
-    data = os.pread(self._fd, n, self._start + self._pos) if n else b""
+    data = self._fetch(self._pos, n) if n else b""
     buffer[: len(data)] = data
     self._pos += len(data)
     return len(data)
+
+  def _fetch(self, pos: int, n: int) -> bytes:
+    if self._kept_at <= pos and pos + n <= self._kept_at + len(self._kept):
+      return self._kept[pos - self._kept_at : pos - self._kept_at + n]
+    if n >= self._blob.readahead:
+      return self._blob.pread(self._start + pos, n)
+    want = min(self._blob.readahead, self._size - pos)
+    self._kept, self._kept_at = self._blob.pread(self._start + pos, want), pos
+    return self._kept[:n]
