@@ -422,3 +422,19 @@ def test_a_folder_two_sources_recognize_goes_to_the_one_that_reads_it(tmp_path, 
     ucp_jax.open(pt, source="deepspeed")  # named, and not one: its error, no fallback
   assert _cli.main(["inspect", str(pt), "--from", "torch"]) == 0
   assert "params/w" in capsys.readouterr().out
+
+
+def test_a_torch_file_on_an_object_store_reads_as_from_disk(tmp_path):
+  from ucp_jax.store import _location
+
+  _trained(tmp_path / "ckpt.pt")
+  url = "memory://torch-source/run"
+  store = _location.kvstore(_location.resolve(url + "/"))
+  store.write("ckpt.pt", (tmp_path / "ckpt.pt").read_bytes()).result()
+  for path in (f"{url}/ckpt.pt", url, f"file://{tmp_path / 'ckpt.pt'}"):
+    assert _registry.sniff(path).NAME == "torch"
+    remote, local = ucp_jax.open(path), ucp_jax.open(tmp_path / "ckpt.pt")
+    assert remote.keys() == local.keys() and remote.manifest.schema == local.manifest.schema
+    assert remote.step == local.step == 3
+    for key in local.keys():
+      assert remote.read(key).tobytes() == local.read(key).tobytes(), key

@@ -10,8 +10,11 @@ remote "folder" is a prefix with objects below it, as object stores have no fold
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import posixpath
+from collections.abc import Iterator
 
 from ucp_jax._errors import SourceFormatError
 from ucp_jax.sources import _remote
@@ -47,6 +50,11 @@ class LocalFiles:
       raise SourceFormatError(f"{path}: larger than {limit} bytes")
     return data
 
+  def head(self, path: str, n: int) -> bytes:
+    """The first `n` bytes of a regular file (all of a shorter one)."""
+    with open_regular(path) as f:
+      return f.read(n)
+
   def kvstore_spec(self, folder: str) -> dict:
     return {"driver": "file", "path": folder.rstrip("/") + "/"}
 
@@ -72,10 +80,11 @@ class RemoteFiles:
         rel = path[len(prefix) + 1 :] + "/"
         return frozenset(n[len(rel) :] for n in names if n.startswith(rel))
     try:
-      folder = _remote.Folder.at(path)
-    except SourceFormatError:
-      return frozenset()  # no bucket or scheme there: nothing below
-    names = frozenset(folder.all_names())
+      names = frozenset(_remote.Folder.at(path).all_names())
+    except SourceFormatError as e:
+      if "NOT_FOUND" not in str(e) and "cannot be opened" not in str(e):
+        raise
+      names = frozenset()  # a file (file://), no such bucket or scheme: nothing below
     self._listed[path] = names
     return names
 
@@ -94,13 +103,76 @@ class RemoteFiles:
     parent, name = posixpath.split(path.rstrip("/"))
     return _remote.Folder.at(parent).read_small(name, limit)
 
+  def head(self, path: str, n: int) -> bytes:
+    parent, name = posixpath.split(path.rstrip("/"))
+    folder = _remote.Folder.at(parent)
+    try:
+      return folder.read(name, 0, n)[0]
+    except SourceFormatError as e:
+      if "past its end" not in str(e):
+        raise
+      return folder.read(name)[0]  # shorter than n
+
   def kvstore_spec(self, folder: str) -> dict:
     return _location.resolve(folder.rstrip("/") + "/").kvstore_spec()
 
 
-def for_path(path: str) -> LocalFiles | RemoteFiles:
-  """The `Files` that reach `path`: remote for a URL, else local."""
-  return RemoteFiles() if _remote.is_remote(path) else LocalFiles()
-
-
 Files = LocalFiles | RemoteFiles
+_SESSION: contextvars.ContextVar[RemoteFiles | None] = contextvars.ContextVar(
+  "ucp_jax_remote_files", default=None
+)
+
+
+@contextlib.contextmanager
+def session() -> Iterator[None]:
+  """Within it, remote listings are shared (a source sniffed, then described, lists once)."""
+  if _SESSION.get() is not None:
+    yield
+    return
+  token = _SESSION.set(RemoteFiles())
+  try:
+    yield
+  finally:
+    _SESSION.reset(token)
+
+
+def for_path(path: str) -> Files:
+  """The `Files` that reach `path`: remote for a URL (the session's, if one is open)."""
+  if not _remote.is_remote(path):
+    return LocalFiles()
+  return _SESSION.get() or RemoteFiles()
+
+
+def isdir(path: str) -> bool:
+  return for_path(path).isdir(path)
+
+
+def isfile(path: str) -> bool:
+  return for_path(path).isfile(path)
+
+
+def exists(path: str) -> bool:
+  fs = for_path(path)
+  return fs.isfile(path) or fs.isdir(path) if fs.remote else os.path.exists(path)
+
+
+def lexists(path: str) -> bool:
+  """`os.path.lexists` (a broken symlink exists) locally; `isfile` on an object store."""
+  fs = for_path(path)
+  return fs.isfile(path) if fs.remote else os.path.lexists(path)
+
+
+def listdir(path: str) -> list[str]:
+  return for_path(path).listdir(path)
+
+
+def absolute(path: str) -> str:
+  return for_path(path).absolute(path)
+
+
+def read(path: str, limit: int = MAX_SMALL_FILE_BYTES) -> bytes:
+  return for_path(path).read(path, limit)
+
+
+def head(path: str, n: int) -> bytes:
+  return for_path(path).head(path, n)

@@ -14,6 +14,7 @@ import os
 from typing import Protocol
 
 from ucp_jax import _errors
+from ucp_jax.sources import _files
 from ucp_jax.sources._source_plan import Plan
 
 SOURCES = {
@@ -58,6 +59,11 @@ def get(name: str) -> Source:
 
 def sniff(path: str | os.PathLike) -> Source | None:
   """The first source that recognizes `path`, else the first that weakly does, or None."""
+  with _files.session():
+    return _sniff(path)
+
+
+def _sniff(path: str | os.PathLike) -> Source | None:
   text = os.fspath(path) if not isinstance(path, dict) else ""
   if "://" in text:  # on an object store: the sources that read by byte ranges
     remote = [get(name) for name in SOURCES]
@@ -103,4 +109,5 @@ def find(path: str | os.PathLike, name: str | None = None) -> Source:
 
 def describe(path: str | os.PathLike, name: str | None = None, **options) -> Plan:
   """The plan of `path`, read by its source (`name`'s, or the one that recognizes it)."""
-  return find(path, name).describe(os.fspath(path), **options)
+  with _files.session():  # a URL's prefixes listed once for sniffing and describing
+    return find(path, name).describe(os.fspath(path), **options)

@@ -9,6 +9,7 @@ while it is read is refused, not mixed with the old one.
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import tensorstore as ts
 
@@ -87,17 +88,57 @@ class Folder:
 class ObjectBlob:
   """One object of a `Folder`, read by byte ranges (a `torch._torch_zip.Blob`).
 
-  Its first read fixes the generation every later read must find (`Folder.read`).
+  Its first read fixes the generation every later read must find (`Folder.read`). A small
+  read inside bytes known to exist (the object's size, once known, or a span the caller
+  checked: `within`) fetches a whole block of `readahead` bytes and keeps the last few blocks:
+  parsing a zip's directory and pickle, a few hundred small reads, costs a few requests.
   """
 
-  size = None  # object stores say an object's size only in a listing or a metadata request
+  size: int | None = None  # object stores say a size only in a listing or a metadata request
   readahead = 64 << 10
+  _KEEP = 8  # blocks kept
 
   def __init__(self, folder: Folder, name: str, generation=None) -> None:
     self.folder, self.name, self.generation = folder, name, generation
+    self._blocks: list[tuple[int, bytes]] = []
+    self._lock = threading.Lock()
 
-  def pread(self, at: int, n: int) -> bytes:
-    data, generation = self.folder.read(self.name, at, at + n, self.generation)
+  def pread(self, at: int, n: int, within: tuple[int, int] | None = None) -> bytes:
+    with self._lock:
+      for start, data in self._blocks:
+        if start <= at and at + n <= start + len(data):
+          return data[at - start : at - start + n]
+    if n >= self.readahead or within is None:
+      return self._read(slice(at, at + n))
+    lo, hi = within
+    stop = min(hi, at + self.readahead)
+    start = max(lo, min(at, stop - self.readahead))
+    data = self._read(slice(start, stop))
+    self.keep(start, data)
+    return data[at - start : at - start + n]
+
+  def keep(self, start: int, data: bytes) -> None:
+    """Remembers that the object holds `data` at `start` (bytes already read)."""
+    with self._lock:
+      self._blocks = [(start, data), *self._blocks[: self._KEEP - 1]]
+
+  def rest(self, at: int) -> bytes:
+    """The bytes from `at` to the end."""
+    return self._read(slice(at, None))
+
+  def tail(self, n: int) -> bytes:
+    """The last `n` bytes, or all of a shorter object."""
+    try:
+      return self._read(slice(-n, None))
+    except SourceFormatError as e:
+      if "past its end" not in str(e):
+        raise
+      return self._read(slice(0, None))
+
+  def _read(self, byte_range: slice) -> bytes:
+    data, generation = self.folder.read(
+      self.name, byte_range.start, byte_range.stop, self.generation
+    )
     if self.generation is None:
       self.generation = generation
     return data

@@ -18,6 +18,7 @@ import numpy as np
 
 from ucp_jax._errors import SourceFormatError
 from ucp_jax.sources.torch._torch_file import InertObject, TorchDtype
+from ucp_jax.sources.torch._torch_zip import ByteSpan
 from ucp_jax.store import _bundle, _keypath, _zarr
 from ucp_jax.store._manifest import ArrayInfo, Manifest
 
@@ -148,7 +149,8 @@ class Plan:
 
 def number(value: Any) -> int | float:
   """A Python number from a 0-d array or scalar: an int when it is integral (steps)."""
-  value = np.asarray(value).item() if isinstance(value, (np.ndarray, np.generic)) else value
+  if isinstance(value, (np.ndarray, np.generic, ByteSpan)):
+    value = np.asarray(value).item()
   if isinstance(value, float) and value.is_integer():
     return int(value)
   return value
@@ -163,7 +165,9 @@ def jsonable(obj: Any, *, max_list: int = 1024) -> Any:
     return obj if math.isfinite(obj) else str(obj)
   if isinstance(obj, np.generic):
     return jsonable(obj.item(), max_list=max_list)
-  if isinstance(obj, np.ndarray):
+  if isinstance(obj, ByteSpan) and (obj.ndim == 0 or obj.size <= max_list):
+    obj = obj.read()  # a small tensor of a file on an object store
+  if isinstance(obj, (np.ndarray, ByteSpan)):
     if obj.ndim == 0 or obj.size <= max_list:
       return jsonable(obj.astype(np.float64).tolist() if obj.dtype.kind == "V" else obj.tolist())
     return {"__array__": {"shape": list(obj.shape), "dtype": str(obj.dtype)}}
@@ -285,8 +289,31 @@ def assemble(tensor: Tensor) -> tuple[np.ndarray, list[np.ndarray]]:
     )
   if not pieces:
     return np.zeros(tensor.shape, dtype), pieces
+  if any(isinstance(p, ByteSpan) for p in pieces):
+    return _fetched(pieces, dtype).reshape(tensor.shape), pieces
   data = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
   return data.reshape(tensor.shape), pieces
+
+
+def _fetched(pieces: Sequence[Any], dtype: np.dtype) -> np.ndarray:
+  """The concatenated pieces, those located in files on an object store fetched in parallel."""
+  if len(pieces) == 1:
+    return np.asarray(pieces[0])
+  out = np.empty(sum(p.size for p in pieces), dtype)
+  at = 0
+  for piece, read in zip(pieces, read_pieces(pieces)):
+    out[at : at + piece.size] = read
+    at += piece.size
+  return out
+
+
+def read_pieces(pieces: Sequence[Any]) -> list[np.ndarray]:
+  """`pieces` as arrays: those located in files on an object store (`ByteSpan`s) fetched,
+  several requests in flight at once."""
+  from ucp_jax.store import _direct
+
+  tasks = [_direct.submit(p.read) if isinstance(p, ByteSpan) else p for p in pieces]
+  return [t if isinstance(t, np.ndarray) else t.result() for t in tasks]
 
 
 def manifest_of(plan: Plan) -> tuple[Manifest, dict[str, Tensor]]:

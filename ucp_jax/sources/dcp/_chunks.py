@@ -117,7 +117,7 @@ class RankFiles:
         f"{shown} is not one little-endian C-order run of its file (a strided or big-endian "
         "tensor, which dcp.save does not write)"
       )
-    return data.offset
+    return data.file_offset()
 
   def read(self, entry: TensorEntry, chunk: Chunk, part: Region, out: np.ndarray) -> None:
     """Reads `part` (in the chunk's own coordinates) of a chunk into `out`, run by run."""

@@ -15,9 +15,11 @@ from typing import Any
 import numpy as np
 
 from ucp_jax._errors import SourceFormatError, bullet_list
+from ucp_jax.sources import _files
 from ucp_jax.sources._source_plan import Param, Tensor, fixed, jsonable, number
 from ucp_jax.sources.deepspeed import _contract as contract
-from ucp_jax.sources.torch import _torch_file, _torch_zip
+from ucp_jax.sources.torch import _torch_file
+from ucp_jax.sources.torch._torch_file import is_tensor
 
 MODEL_KEYS = (
   "module",
@@ -75,8 +77,7 @@ def read_tag(path: str) -> str:
       separator, not ``..``, not absolute).
   """
   try:
-    with _torch_zip.open_regular(path) as f:
-      raw = f.read(MAX_TAG_BYTES + 1)
+    raw = _files.head(path, MAX_TAG_BYTES + 1)
   except OSError as e:
     raise SourceFormatError(f"{path}: cannot read this tag file ({e.strerror or e})") from e
   try:
@@ -94,7 +95,7 @@ def read_tag(path: str) -> str:
 
 def list_tag(folder: str) -> TagFiles:
   """Finds the model-states and optimizer-states files of a tag folder (§2)."""
-  names = sorted(os.listdir(folder))
+  names = sorted(_files.listdir(folder))
   models, zero3_models, optims, other_mp = [], {}, {}, []
   prefixes: dict[str, list[str]] = {}
   for name in names:
@@ -184,7 +185,7 @@ def same_everywhere(items: Sequence[tuple[str, Any]], what: str) -> list[str]:
 
 
 def _equal(a: Any, b: Any) -> bool:
-  if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+  if is_tensor(a) or is_tensor(b):
     return np.array_equal(np.asarray(a), np.asarray(b))
   if isinstance(a, dict) and isinstance(b, dict):
     return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
@@ -207,7 +208,7 @@ def int_of(value: Any) -> int | None:
 
 def flat(array: Any, path: str, key: str, problems: list[str]) -> np.ndarray | None:
   """`array` as a 1-D view (DeepSpeed's flat partitions), or None with a problem noted."""
-  if not isinstance(array, np.ndarray):
+  if not is_tensor(array):
     problems.append(f"{path}: {key} is a {type(array).__name__}, not a tensor")
     return None
   if array.ndim != 1:
@@ -252,7 +253,7 @@ def model_extras(model: dict, path: str, optimized: set[str]) -> tuple[list, dic
   problems = [
     f"{path}: ['buffer_names'] has {n!r}, which ['module'] lacks"
     for n in buffer_names
-    if not isinstance(module.get(n), np.ndarray)
+    if not is_tensor(module.get(n))
   ]
   problems += [
     f"{path}: ['shared_params'][{alias!r}] = {holder!r} names no optimized parameter"
@@ -347,7 +348,7 @@ def extra(model: dict, source_layout: dict) -> dict:
 
 def source(plan_path: str, kind: str, source_layout: dict) -> dict:
   """The manifest's `source` entry."""
-  folder = os.path.abspath(plan_path)
+  folder = _files.absolute(plan_path)
   return {
     "framework": "deepspeed",
     "format": kind,

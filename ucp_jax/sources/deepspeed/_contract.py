@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 
 from ucp_jax.parallel import _pattern_rules
-from ucp_jax.sources.torch._torch_file import InertObject
+from ucp_jax.sources.torch._torch_file import InertObject, is_tensor
+from ucp_jax.sources.torch._torch_zip import ByteSpan
 
 try:  # the parser behind `re.compile`: Python >= 3.11, then 3.10
   from re import _parser as _sre_parse
@@ -160,7 +161,7 @@ def check(value: Any, spec: Spec, path: str) -> list[str]:
 
 
 def _show(value: Any) -> str:
-  if isinstance(value, np.ndarray):
+  if is_tensor(value):
     return f"an array of shape {value.shape} and {value.dtype}"
   if isinstance(value, InertObject):
     return f"a {value.qualname} record"
@@ -175,8 +176,10 @@ class Number(Spec):
   what = "a finite number"
 
   def problems(self, value: Any, where: str) -> Iterator[str]:
-    ok = isinstance(value, int | float | np.generic | np.ndarray) and type(value) is not bool
-    if ok and isinstance(value, np.generic | np.ndarray):
+    ok = (isinstance(value, int | float | np.generic) or is_tensor(value)) and type(
+      value
+    ) is not bool
+    if ok and (isinstance(value, np.generic) or is_tensor(value)):
       ok = value.size == 1 and value.dtype.kind in "biuf"
     if not ok or not math.isfinite(np.asarray(value).reshape(()).item()):
       yield f"{where} is {_show(value)}, not {self.what}"
@@ -184,7 +187,7 @@ class Number(Spec):
 
 ANY = Is((object,), "anything")
 STR = Is((str,), "a string")
-ARRAY = Is((np.ndarray,), "a tensor")
+ARRAY = Is((np.ndarray, ByteSpan), "a tensor")
 FLAG = Is((bool, int, str, type(None)), "a flag (bool, int, string or None)")
 NUMBER = Number()
 SHAPE = ListOf(Int(0))

@@ -12,6 +12,7 @@ import os
 from collections.abc import Sequence
 
 from ucp_jax._errors import SourceFormatError
+from ucp_jax.sources import _files
 from ucp_jax.sources._source_plan import Plan
 from ucp_jax.sources.deepspeed import _common, _universal
 
@@ -29,26 +30,31 @@ def sniff(path: str) -> bool:
   """Whether `path` is a DeepSpeed tag or universal folder, or holds a `latest` or
   `latest_universal` pointer naming one (a stray pointer, say in a Hugging Face Trainer
   folder whose `global_stepN` was pruned, does not make a folder DeepSpeed's)."""
-  if not os.path.isdir(path):
+  if not _files.isdir(path):
     return False
   if _folder_kind(path) is not None:
     return True
   for pointer in _POINTERS:
     file = os.path.join(path, pointer)
-    if os.path.isfile(file):
+    if _files.isfile(file):
       try:
         folder = os.path.join(path, _common.read_tag(file))
       except SourceFormatError:
         continue
-      if os.path.isdir(folder) and _folder_kind(folder) is not None:
+      if _files.isdir(folder) and _folder_kind(folder) is not None:
         return True
   return False
+
+
+def sniff_remote(url: str) -> bool:
+  """`sniff` for a URL (listings of the prefix and of a pointer's tag folder)."""
+  return sniff(url.rstrip("/"))
 
 
 def sniff_weak(path: str) -> bool:
   """A folder holding a `latest` or `latest_universal` pointer: DeepSpeed's, if no source
   recognizes it, so that `detect` says what is wrong with the pointer or its tag folder."""
-  return os.path.isdir(path) and any(os.path.lexists(os.path.join(path, p)) for p in _POINTERS)
+  return _files.isdir(path) and any(_files.lexists(os.path.join(path, p)) for p in _POINTERS)
 
 
 def describe(path: str, *, patterns: Sequence = ()) -> Plan:
@@ -75,25 +81,25 @@ def describe(path: str, *, patterns: Sequence = ()) -> Plan:
 def detect(src: str | os.PathLike) -> tuple[str, str]:
   """(`deepspeed` or `deepspeed_universal`, the folder to read) of `src`."""
   path = os.fspath(src)
-  if not os.path.exists(path):
+  if not _files.exists(path):
     raise SourceFormatError(f"{path}: no such file or directory")
-  if not os.path.isdir(path):
+  if not _files.isdir(path):
     raise SourceFormatError(f"{path}: a single file, not a DeepSpeed checkpoint folder")
   kind = _folder_kind(path)
   if kind is not None:
     return kind, path
   for pointer in _POINTERS:
     file = os.path.join(path, pointer)
-    if os.path.lexists(file) and not os.path.isdir(file):
+    if _files.lexists(file) and not _files.isdir(file):
       tag = _common.read_tag(file)
       folder = os.path.join(path, tag)
-      kind = _folder_kind(folder) if os.path.isdir(folder) else None
+      kind = _folder_kind(folder) if _files.isdir(folder) else None
       if kind is None:
         raise SourceFormatError(
           f"{file} names the tag {tag!r}, but {folder} is not a DeepSpeed tag or universal folder"
         )
       return kind, folder
-  names = sorted(os.listdir(path))
+  names = sorted(_files.listdir(path))
   found = ", ".join(names[:12]) + (" ..." if len(names) > 12 else "") if names else "nothing"
   raise SourceFormatError(
     f"{path}: not a DeepSpeed checkpoint. Looked for: a checkpoint folder (a `latest` file "
@@ -106,7 +112,7 @@ def detect(src: str | os.PathLike) -> tuple[str, str]:
 def _folder_kind(folder: str) -> str | None:
   if _universal.is_universal(folder):
     return "deepspeed_universal"
-  names = os.listdir(folder)
+  names = _files.listdir(folder)
   if any(n.endswith("model_states.pt") or n.endswith("optim_states.pt") for n in names):
     return "deepspeed"
   return None

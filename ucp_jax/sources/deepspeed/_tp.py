@@ -36,7 +36,8 @@ import numpy as np
 from ucp_jax._errors import MappingError, SourceFormatError
 from ucp_jax.parallel import _pattern_flat, _pattern_rules, _patterns
 from ucp_jax.parallel._patterns import Pattern
-from ucp_jax.sources._source_plan import Param, Plan, Tensor, release
+from ucp_jax.sources import _files
+from ucp_jax.sources._source_plan import Param, Plan, Tensor, read_pieces, release
 from ucp_jax.sources.deepspeed import _common as common
 from ucp_jax.sources.deepspeed import _contract as contract
 from ucp_jax.sources.deepspeed import _zero
@@ -48,7 +49,7 @@ _EXPERT_KEY_RE = re.compile(r"^(.*\.deepspeed_experts\.)(\d+)\.(.*)$")
 
 def is_model_parallel(folder: str) -> bool:
   """Whether a tag folder holds files of model-parallel ranks other than 0, or layer files."""
-  for name in os.listdir(folder):
+  for name in _files.listdir(folder):
     m = (
       common.MODEL_RE.match(name)
       or common.OPTIM_RE.match(name)
@@ -82,7 +83,7 @@ def plan(folder: str, *, rules: Sequence = ()) -> Plan:
     rules: `(regex, pattern)` pairs (see `_pattern_rules.classify`) for parameters the checkpoint's
       `universal_checkpoint_info` does not describe (or describes wrongly).
   """
-  names = sorted(os.listdir(folder))
+  names = sorted(_files.listdir(folder))
   zero3 = [n for n in names if common.ZERO3_MODEL_RE.match(n)]
   common.fail(
     f"{folder}: ZeRO-3 with tensor parallelism is not supported by this reader yet (use "
@@ -337,7 +338,7 @@ def _merge_pieces(name: str, per_stage: dict[int, list[Tensor]], pattern: Patter
   def pieces() -> list[np.ndarray]:
     merged = {}
     for s, tensors in per_stage.items():
-      shards = [list(t.pieces()) for t in tensors]
+      shards = [read_pieces(t.pieces()) for t in tensors]
       out = _pattern_flat.merge_flat(shards, [t.shape for t in tensors], pattern, name=name)
       if len(per_stage) == 1 and isinstance(out, list):  # replicated: rank 0's pieces
         release([p for ps in shards[1:] for p in ps])
@@ -392,7 +393,7 @@ def _experts(name: str, files: dict[int, tuple[str, str]], problems) -> Param:
   pattern = _patterns.expert(n)
 
   def pieces() -> list[np.ndarray]:
-    arrays = [common.load(files[e][0])[files[e][1]] for e in range(n)]
+    arrays = read_pieces([common.load(files[e][0])[files[e][1]] for e in range(n)])
     return [
       np.ascontiguousarray(_patterns.merge(arrays, pattern, name=name, per_expert=True)).reshape(-1)
     ]

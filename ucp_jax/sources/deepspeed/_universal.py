@@ -18,17 +18,19 @@ import re
 import numpy as np
 
 from ucp_jax._errors import SourceFormatError
+from ucp_jax.sources import _files
 from ucp_jax.sources._source_plan import Param, Pieces, Plan, Tensor
 from ucp_jax.sources.deepspeed import _common as common
 from ucp_jax.sources.deepspeed import _contract as contract
 from ucp_jax.sources.deepspeed import _zero, _zero3
+from ucp_jax.sources.torch._torch_file import is_tensor
 
 _ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
 
 
 def is_universal(folder: str) -> bool:
   """Whether `folder` looks like a `ds_to_universal` output folder."""
-  return os.path.isfile(os.path.join(folder, "zero", "optimizer_state.pt"))
+  return _files.isfile(os.path.join(folder, "zero", "optimizer_state.pt"))
 
 
 def plan(folder: str) -> Plan:
@@ -120,7 +122,7 @@ def plan(folder: str) -> Plan:
 def _other_model_ranks(folder: str) -> list[str]:
   """Model-states files of model-parallel ranks other than 0."""
   found = []
-  for name in sorted(os.listdir(folder)):
+  for name in sorted(_files.listdir(folder)):
     m = common.MODEL_RE.match(name) or common.ZERO3_MODEL_RE.match(name)
     if m and int(m.groups()[-1]) > 0:
       found.append(name)
@@ -130,9 +132,9 @@ def _other_model_ranks(folder: str) -> list[str]:
 def _model_paths(folder: str, zero3: bool) -> list[str]:
   if not zero3:
     path = os.path.join(folder, "mp_rank_00_model_states.pt")
-    return [path] if os.path.isfile(path) else []
+    return [path] if _files.isfile(path) else []
   ranks = {
-    int(m.group(1)): name for name in os.listdir(folder) if (m := _ZERO3_MODEL_RE.match(name))
+    int(m.group(1)): name for name in _files.listdir(folder) if (m := _ZERO3_MODEL_RE.match(name))
   }
   return [os.path.join(folder, ranks[k]) for k in sorted(ranks)] if 0 in ranks else []
 
@@ -143,7 +145,7 @@ def _param(folder, name, shape, group, stage, problems):
     problems.append(f"{folder}: parameter name {name!r:.80} is not a folder name in zero/")
     return None, None
   where = os.path.join(folder, "zero", name)
-  files = sorted(os.listdir(where)) if os.path.isdir(where) else []
+  files = sorted(_files.listdir(where)) if _files.isdir(where) else []
   if "fp32.pt" not in files:
     problems.append(f"{os.path.join(where, 'fp32.pt')} is missing")
     return None, None
@@ -157,7 +159,7 @@ def _param(folder, name, shape, group, stage, problems):
     except SourceFormatError as e:
       problems.append(str(e))
       return None, None
-    if not isinstance(value, np.ndarray) or value.size != 1:
+    if not is_tensor(value) or value.size != 1:
       problems.append(f"{os.path.join(where, 'step.pt')}: not a 0-d tensor")
       return None, None
     step = (os.path.join(where, "step.pt"), value.reshape(()).item())
@@ -180,7 +182,7 @@ def _tensor(path: str, stage: int) -> np.ndarray:
     if not isinstance(data, dict) or "param" not in data:
       raise SourceFormatError(f"{path}: expected a dict with key 'param' (ds_to_universal's form)")
     data = data["param"]
-  if not isinstance(data, np.ndarray):
+  if not is_tensor(data):
     raise SourceFormatError(f"{path}: holds a {type(data).__name__}, not a tensor")
   return data
 

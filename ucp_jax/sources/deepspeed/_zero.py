@@ -20,7 +20,7 @@ import numpy as np
 from ucp_jax.sources._source_plan import Param, Plan, Tensor, fixed
 from ucp_jax.sources.deepspeed import _common as common
 from ucp_jax.sources.deepspeed import _contract as contract
-from ucp_jax.sources.torch._torch_file import InertObject
+from ucp_jax.sources.torch._torch_file import InertObject, is_tensor
 
 OSD_KEYS = (
   "base_optimizer_state",
@@ -150,7 +150,7 @@ def group_params(
     slots = {
       k: common.flat(v, path, f"state[{g}][{k!r}]", problems)
       for k, v in state.items()
-      if k != "step" and isinstance(v, np.ndarray) and v.ndim >= 1
+      if k != "step" and is_tensor(v) and v.ndim >= 1
     }
     if any(v is None for v in slots.values()):
       continue
@@ -253,7 +253,7 @@ def frozen_params(model: dict, path: str, leftovers: list[str]) -> list[Param]:
   for name in names:
     key = "frozen_param_fragments" if name in fragments else "module"
     array = fragments[name] if name in fragments else module.get(name)
-    if not isinstance(array, np.ndarray):
+    if not is_tensor(array):
       problems.append(f"{path}: frozen parameter {name!r} is in neither module nor fragments")
       continue
     if name in shapes and tuple(shapes[name]) != array.shape:

@@ -28,6 +28,7 @@ import numpy as np
 
 from ucp_jax._errors import SourceFormatError, bullet_list
 from ucp_jax.sources._source_plan import Tensor, jsonable, number
+from ucp_jax.sources.torch._torch_file import is_tensor
 
 MAX_STATES = 1 << 20
 """Partial interleavings tried at once; past it the ids count as ambiguous."""
@@ -93,7 +94,7 @@ def read(
       slots = {
         str(k): whole(v, f"{file}: {at}[{k!r}] ({name})")
         for k, v in entry.items()
-        if k != "step" and isinstance(v, np.ndarray)
+        if k != "step" and is_tensor(v)
       }
       problems += [
         f"{at}[{k!r}] ({name}): shape {t.shape}, the parameter's is {shapes[name]}"
@@ -178,7 +179,7 @@ def _shape(entry: Any) -> tuple | None:
   """The parameter shape an id's state implies (its arrays'), None when it has none."""
   if not isinstance(entry, dict):
     return None
-  shapes = {v.shape for k, v in entry.items() if k != "step" and isinstance(v, np.ndarray)}
+  shapes = {v.shape for k, v in entry.items() if k != "step" and is_tensor(v)}
   return shapes.pop() if len(shapes) == 1 else None
 
 
@@ -273,7 +274,7 @@ def whole(array: np.ndarray, where: str) -> Tensor:
 
 
 def _is_number(value: Any) -> bool:
-  if isinstance(value, np.ndarray):
+  if is_tensor(value):
     return value.ndim == 0 and value.dtype.kind in "iuf"
   return isinstance(value, (int, float)) and not isinstance(value, bool)
 

@@ -25,9 +25,12 @@ from typing import Any
 import numpy as np
 
 from ucp_jax._errors import SourceFormatError, bullet_list
+from ucp_jax.sources import _files
 from ucp_jax.sources._source_plan import Param, Plan, jsonable, number
 from ucp_jax.sources.torch import _optimizer, _torch_file
 from ucp_jax.sources.torch._optimizer import whole
+from ucp_jax.sources.torch._torch_file import is_tensor
+from ucp_jax.sources.torch._torch_zip import ByteSpan
 
 NAME = "torch"
 DESCRIPTION = (
@@ -61,9 +64,14 @@ def is_buffer(name: str) -> bool:
 
 def sniff(path: str) -> bool:
   """A torch file by its suffix, or a folder holding exactly one (file names only)."""
-  if os.path.isdir(path):
+  if _files.isdir(path):
     return len(_torch_files(path)) == 1
   return path.endswith(SUFFIXES)
+
+
+def sniff_remote(url: str) -> bool:
+  """`sniff` for a URL: a torch file by its suffix, or a prefix holding exactly one."""
+  return sniff(url.rstrip("/"))
 
 
 def describe(path: str, *, param_names: list[list[str]] | None = None) -> Plan:
@@ -117,7 +125,7 @@ def describe(path: str, *, param_names: list[list[str]] | None = None) -> Plan:
     source={
       "framework": "torch",
       "format": NAME,
-      "path": os.path.abspath(file),
+      "path": _files.absolute(file),
       "model_key": model_key,
       "optimizer_key": osd_where or None,
     },
@@ -139,7 +147,7 @@ def split(data: Any, file: str) -> tuple[dict, str | None, Any, str, dict]:
     )
   models = [k for k in MODEL_KEYS if isinstance(data.get(k), dict)]
   if not models:
-    if data and not any(isinstance(v, np.ndarray) for v in data.values()):
+    if data and not any(is_tensor(v) for v in data.values()):
       keys = ", ".join(repr(k) for k in list(data)[:8]) + (" ..." if len(data) > 8 else "")
       raise SourceFormatError(
         f"{file}: neither a state dict nor a checkpoint dict: no tensors, and no state dict "
@@ -175,7 +183,7 @@ def tensors(state: dict, file: str, prefix: str = "") -> dict[str, np.ndarray]:
   for name, value in state.items():
     if not isinstance(name, str):
       bad.append(f"{prefix}[{name!r}]: a {type(name).__name__} key, not a parameter name")
-    elif not isinstance(value, np.ndarray):
+    elif not is_tensor(value):
       shown = getattr(value, "qualname", None) or f"{type(value).__name__} {value!r:.40}"
       bad.append(f"{prefix}[{name!r}] holds {shown}, not a tensor")
   if len(bad) == 1:
@@ -194,7 +202,10 @@ def aliases(arrays: dict[str, np.ndarray]) -> dict[str, str]:
   for name, array in arrays.items():
     if array.size == 0:
       continue
-    place = (array.__array_interface__["data"][0], array.shape, array.strides, array.dtype.str)
+    if isinstance(array, ByteSpan):  # located: the same entry and offset are the same bytes
+      place = (id(array.entry), array.offset, array.shape, array.strides, array.dtype.str)
+    else:
+      place = (array.__array_interface__["data"][0], array.shape, array.strides, array.dtype.str)
     if place in first:
       out[name] = first[place]
     else:
@@ -205,7 +216,7 @@ def aliases(arrays: dict[str, np.ndarray]) -> dict[str, str]:
 def _wrapper_step(rest: dict, step: int | None) -> int | None:
   for key in STEP_KEYS:
     value = rest.get(key)
-    if isinstance(value, (int, np.integer, np.ndarray)) and np.ndim(value) == 0:
+    if (isinstance(value, (int, np.integer)) or is_tensor(value)) and np.ndim(value) == 0:
       value = number(value)
       if isinstance(value, int):
         return value
@@ -215,15 +226,15 @@ def _wrapper_step(rest: dict, step: int | None) -> int | None:
 def _torch_files(folder: str) -> list[str]:
   return sorted(
     n
-    for n in os.listdir(folder)
-    if n.endswith(SUFFIXES) and os.path.isfile(os.path.join(folder, n))
+    for n in _files.listdir(folder)
+    if n.endswith(SUFFIXES) and _files.isfile(os.path.join(folder, n))
   )
 
 
 def _the_file(path: str) -> str:
-  if not os.path.exists(path):
+  if not _files.exists(path):
     raise SourceFormatError(f"{path}: no such file or directory")
-  if not os.path.isdir(path):
+  if not _files.isdir(path):
     return path
   files = _torch_files(path)
   if len(files) != 1:

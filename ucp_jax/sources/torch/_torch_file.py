@@ -127,9 +127,20 @@ class _StorageType:
   dtype: TorchDtype | None
 
 
+def is_tensor(value: Any) -> bool:
+  """Whether `value` is a tensor of a loaded file: an array, or a located `ByteSpan`."""
+  return isinstance(value, (np.ndarray, _torch_zip.ByteSpan))
+
+
 def load_named(path: str) -> Any:
-  """`load(path)`, every error naming the file (a sources' reader's entry point)."""
+  """`load(path)`, every error naming the file (a sources' reader's entry point).
+
+  A file on an object store (a URL) is located, not read: its zip directory and pickle are
+  fetched by byte ranges, and its tensors are `ByteSpan`s that fetch their elements when read.
+  """
   try:
+    if "://" in path:
+      return _load_object(path)
     return load(path)
   except SourceFormatError as e:
     if path in str(e):
@@ -183,6 +194,15 @@ def load_from(
   return _torch_pickle.loads(
     data, source=shown, extra_globals=tensors.globals(), persistent_load=tensors.persistent_load
   )
+
+
+def _load_object(url: str) -> Any:
+  from ucp_jax.sources import _remote
+
+  folder, name = url.rstrip("/").rsplit("/", 1)
+  blob = _remote.ObjectBlob(_remote.Folder.at(folder), name)
+  blob.size = _torch_zip.zip_size(blob, url)
+  return load_from(blob, url, locate=True)
 
 
 def _storage(
@@ -306,7 +326,7 @@ class _Tensors:
     if stride == contiguous or not numel:
       return data[offset : offset + numel].reshape(size)
     if isinstance(data, _torch_zip.ByteSpan):
-      return data.strided(offset, size)
+      return data.strided(offset, size, stride)
     strides = tuple(s * data.itemsize for s in stride)
     return np.lib.stride_tricks.as_strided(data[offset:], size, strides, writeable=False)
 

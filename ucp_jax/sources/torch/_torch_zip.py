@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import mmap as mmap_lib
 import os
 import stat
 import struct
+import threading
 import zipfile
 from typing import BinaryIO, Protocol
 
@@ -111,10 +113,11 @@ class Blob(Protocol):
   """Bytes read by offset: `size` is None where it is not known (an object on a store)."""
 
   size: int | None
-  readahead: int  # bytes worth fetching beyond a small read (one request per read costs)
+  readahead: int  # 0 where a read costs no request (a local file, memory)
 
-  def pread(self, at: int, n: int) -> bytes:
-    """Up to `n` bytes from byte `at` (fewer only at the end)."""
+  def pread(self, at: int, n: int, within: tuple[int, int] | None = None) -> bytes:
+    """Up to `n` bytes from byte `at` (fewer only at the end); `within`: bytes known to
+    exist around them, which a blob may fetch ahead."""
 
 
 class FileBlob:
@@ -126,7 +129,7 @@ class FileBlob:
     self.fileno = f.fileno()
     self.size = os.fstat(self.fileno).st_size
 
-  def pread(self, at: int, n: int) -> bytes:
+  def pread(self, at: int, n: int, within=None) -> bytes:
     return os.pread(self.fileno, n, at)
 
 
@@ -139,47 +142,193 @@ class BytesBlob:
     self._data = memoryview(data)
     self.size = len(data)
 
-  def pread(self, at: int, n: int) -> bytes:
+  def pread(self, at: int, n: int, within=None) -> bytes:
     return bytes(self._data[at : at + n])
 
 
 @dataclasses.dataclass(frozen=True)
 class ByteSpan:
-  """Where elements lie in a file, none read: a storage (and its tensors) of a located archive.
+  """Elements that lie in a blob, not yet read: a storage, or a tensor on one, of a located
+  archive.
 
-  Supports what the torch reader does to a storage's array: 1-D slices, `view` as another
-  dtype, `reshape`, `byteswap` (recorded, for a big-endian file).
+  It answers what readers ask of a tensor (`shape`, `dtype`, `size`, `ndim`,
+  `flags.c_contiguous`) and does what the torch reader does to a storage's array (1-D
+  slices, `view` as another dtype, `reshape`, `byteswap`, strided views); `read()` (or
+  `np.asarray`) fetches the elements, at least one request per call.
   """
 
-  offset: int  # the file's byte of the first element
+  entry: EntryStart  # where the storage's zip entry puts its first byte
+  offset: int  # bytes from there to the first element
   size: int  # elements
   dtype: np.dtype
-  shape: tuple[int, ...] | None = None  # None: 1-D
-  contiguous: bool = True  # False: strided (the elements are not one C-order run)
-  swapped: bool = False
+  dims: tuple[int, ...] | None = None  # None: 1-D
+  strides: tuple[int, ...] | None = None  # in elements; None: C order, one run of bytes
+  swapped: bool = False  # the bytes are big-endian: swapped once read
+
+  @property
+  def where(self) -> str:
+    return self.entry.where
+
+  def file_offset(self) -> int:
+    """The byte of the blob where the first element lies (reads the entry's local header
+    once, if not read yet)."""
+    return self.entry.start() + self.offset
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return (self.size,) if self.dims is None else self.dims
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
 
   @property
   def itemsize(self) -> int:
     return self.dtype.itemsize
 
+  @property
+  def nbytes(self) -> int:
+    return self.size * self.itemsize
+
+  @property
+  def contiguous(self) -> bool:
+    return self.strides is None
+
+  @property
+  def flags(self):
+    return _Flags(self.contiguous)
+
   def __getitem__(self, key: slice) -> ByteSpan:
+    if not isinstance(key, slice) or self.dims is not None or not self.contiguous:
+      raise TypeError("a ByteSpan takes 1-D slices only")
     start, stop, step = key.indices(self.size)
-    if step != 1 or self.shape is not None:
-      raise TypeError("a ByteSpan takes 1-D slices of step 1 only")
+    if step != 1:
+      raise TypeError("a ByteSpan takes slices of step 1 only")
+    stop = max(start, stop)
     return dataclasses.replace(self, offset=self.offset + start * self.itemsize, size=stop - start)
 
   def view(self, dtype) -> ByteSpan:
     dtype = np.dtype(dtype)
-    return dataclasses.replace(self, size=self.size * self.itemsize // dtype.itemsize, dtype=dtype)
+    if self.nbytes % dtype.itemsize or self.dims is not None:
+      raise ValueError(f"{self.nbytes} bytes are not a whole number of {dtype} elements")
+    return dataclasses.replace(self, size=self.nbytes // dtype.itemsize, dtype=dtype)
 
-  def reshape(self, shape) -> ByteSpan:
-    return dataclasses.replace(self, shape=tuple(shape))
+  def reshape(self, *shape) -> ByteSpan:
+    shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], tuple) else shape
+    if -1 in shape:
+      known = math.prod(d for d in shape if d != -1)
+      shape = tuple(self.size // max(known, 1) if d == -1 else d for d in shape)
+    if math.prod(shape) != self.size or not self.contiguous:
+      raise ValueError(f"cannot reshape {self.size} elements to {shape}")
+    return dataclasses.replace(self, dims=None if len(shape) == 1 else tuple(shape))
 
-  def strided(self, offset: int, shape: tuple[int, ...]) -> ByteSpan:
-    return dataclasses.replace(self[offset:], shape=tuple(shape), contiguous=False)
+  def ravel(self) -> ByteSpan:
+    return self.reshape(-1)
+
+  def strided(self, offset: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> ByteSpan:
+    base = self[offset:]
+    return dataclasses.replace(base, size=math.prod(shape), dims=tuple(shape), strides=strides)
 
   def byteswap(self) -> ByteSpan:
     return dataclasses.replace(self, swapped=not self.swapped)
+
+  def read(self) -> np.ndarray:
+    """The elements, fetched from the blob (a read-only array of `shape`)."""
+    extent = self.size
+    if not self.contiguous:
+      extent = 1 + sum((n - 1) * s for n, s in zip(self.shape, self.strides)) if self.size else 0
+    nbytes = extent * self.itemsize
+    at = self.file_offset()
+    data = self.entry.blob.pread(at, nbytes) if nbytes else b""
+    if len(data) != nbytes:
+      raise SourceFormatError(f"{self.where}: ends inside a tensor (byte {at + len(data)})")
+    flat = np.frombuffer(data, self.dtype, extent)
+    if self.contiguous:
+      out = flat.reshape(self.shape)
+    else:
+      strides = tuple(s * self.itemsize for s in self.strides)
+      out = np.lib.stride_tricks.as_strided(flat, self.shape, strides, writeable=False)
+    if self.swapped:
+      out = out.byteswap()
+      out.flags.writeable = False
+    return out
+
+  def item(self):
+    return self.read().item()
+
+  def tolist(self):
+    return self.read().tolist()
+
+  def __array__(self, dtype=None, copy=None) -> np.ndarray:
+    out = self.read()
+    return out if dtype is None else out.astype(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Flags:
+  c_contiguous: bool
+
+
+class EntryStart:
+  """Where a stored zip entry's bytes start: after its local header, whose length (a name and
+  an extra field, which torch pads to align storages) only that header says. Read on first
+  use, so that locating a file with many storages costs no request per storage."""
+
+  def __init__(self, blob: Blob, header_at: int, end: int, where: str, name: str) -> None:
+    self.blob, self.where = blob, where
+    self._header_at, self._end, self._name = header_at, end, name
+    self._start: int | None = None
+    self._lock = threading.Lock()
+
+  def start(self) -> int:
+    with self._lock:
+      if self._start is None:
+        self._start = self._read()
+      return self._start
+
+  def _read(self) -> int:
+    header = self.blob.pread(self._header_at, _LOCAL_HEADER.size)
+    if len(header) < _LOCAL_HEADER.size or _LOCAL_HEADER.unpack(header)[0] != b"PK\x03\x04":
+      raise SourceFormatError(f"{self.where}: entry {self._name!r} has a corrupt zip header")
+    _, name_len, extra_len = _LOCAL_HEADER.unpack(header)
+    start = self._header_at + _LOCAL_HEADER.size + name_len + extra_len
+    if start > self._end:
+      raise SourceFormatError(f"{self.where}: storage {self._name!r} runs past the end of the file")
+    return start
+
+
+_EOCD = struct.Struct("<4s4H2LH")  # signature, disks, entries, directory size and offset, comment
+_ZIP64_LOCATOR = struct.Struct("<4sLQL")  # signature, disk, zip64 end record offset, disks
+_ZIP64_EOCD_HEAD = struct.Struct("<4sQ")  # signature, size of the rest of the record
+_TAIL_BYTES = _EOCD.size + 0xFFFF + _ZIP64_LOCATOR.size  # the end record's furthest reach
+
+
+def zip_size(blob, path: str) -> int:
+  """The size of a zip file whose size is not known (an object on a store: `blob` reads its
+  `tail(n)` and the `rest(at)` from a byte on), from its end records, checked by reading
+  from its last byte to the end."""
+  tail = blob.tail(_TAIL_BYTES)
+  if len(tail) < _TAIL_BYTES:
+    return len(tail)  # the whole object
+  at = tail.rfind(b"PK\x05\x06", 0, len(tail) - _EOCD.size + 4)
+  if at < 0:
+    raise SourceFormatError(f"{path}: no zip end record: not a torch file (or truncated)")
+  _, _, _, _, _, cd_size, cd_offset, comment = _EOCD.unpack_from(tail, at)
+  end = cd_offset + cd_size  # where the end record starts, with no zip64 records between
+  locator = tail[max(0, at - _ZIP64_LOCATOR.size) : at]
+  if (
+    len(locator) == _ZIP64_LOCATOR.size and locator[:4] == b"PK\x06\x07"
+  ):  # zip64 records (torch always writes them) come first
+    _, _, record_at, _ = _ZIP64_LOCATOR.unpack(locator)
+    head = blob.pread(record_at, _ZIP64_EOCD_HEAD.size)
+    if len(head) != _ZIP64_EOCD_HEAD.size or head[:4] != b"PK\x06\x06":
+      raise SourceFormatError(f"{path}: a corrupt zip64 end record")
+    end = record_at + 12 + _ZIP64_EOCD_HEAD.unpack(head)[1] + _ZIP64_LOCATOR.size
+  size = end + _EOCD.size + comment
+  if size < _TAIL_BYTES or len(blob.rest(size - 1)) != 1:
+    raise SourceFormatError(f"{path}: its zip end records do not say where it ends: corrupt")
+  blob.keep(size - len(tail), tail)  # the directory is in it: parsing it costs no request
+  return size
 
 
 class Archive:
@@ -291,18 +440,15 @@ class Archive:
       )
     if not self._locate and (self._map is None or not stored):
       return np.frombuffer(self.read(info, MAX_INFLATED_BYTES), np.uint8)
-    at = self._start + info.header_offset
-    header = self._blob.pread(at, _LOCAL_HEADER.size)
-    if len(header) < _LOCAL_HEADER.size or _LOCAL_HEADER.unpack(header)[0] != b"PK\x03\x04":
-      raise SourceFormatError(f"{self._path}: entry {info.filename!r} has a corrupt zip header")
-    _, name_len, extra_len = _LOCAL_HEADER.unpack(header)
-    start = at + _LOCAL_HEADER.size + name_len + extra_len
-    if start + nbytes > self._start + self._size:
-      raise SourceFormatError(
-        f"{self._path}: storage {info.filename!r} runs past the end of the file"
-      )
+    last = self._start + self._size - nbytes  # the last byte its elements may start at
+    entry = EntryStart(
+      self._blob, self._start + info.header_offset, last, self._path, info.filename
+    )
     if self._locate:
-      return ByteSpan(start, nbytes, np.dtype(np.uint8))
+      if self._blob.readahead == 0:  # a local file (which may be closed by the time it is read)
+        entry.start()
+      return ByteSpan(entry, 0, nbytes, np.dtype(np.uint8))
+    start = entry.start()
     if nbytes == 0:
       empty = np.empty(0, np.uint8)
       empty.flags.writeable = False
@@ -311,16 +457,11 @@ class Archive:
 
 
 class _Window(io.RawIOBase):
-  """Bytes `[start, start + size)` of a blob, read as a file of their own (for zipfile).
-
-  Where requests cost (an object store), each read fetches `blob.readahead` bytes at least and
-  keeps them: zipfile's many small reads (the directory, a local header, data.pkl) become few.
-  """
+  """Bytes `[start, start + size)` of a blob, read as a file of their own (for zipfile)."""
 
   def __init__(self, blob: Blob, start: int, size: int) -> None:
     super().__init__()
     self._blob, self._start, self._size, self._pos = blob, start, size, 0
-    self._kept, self._kept_at = b"", 0
 
   def readable(self) -> bool:
     return True
@@ -340,16 +481,8 @@ class _Window(io.RawIOBase):
 
   def readinto(self, buffer) -> int:
     n = max(0, min(len(buffer), self._size - self._pos))
-    data = self._fetch(self._pos, n) if n else b""
+    within = (self._start, self._start + self._size)
+    data = self._blob.pread(self._start + self._pos, n, within) if n else b""
     buffer[: len(data)] = data
     self._pos += len(data)
     return len(data)
-
-  def _fetch(self, pos: int, n: int) -> bytes:
-    if self._kept_at <= pos and pos + n <= self._kept_at + len(self._kept):
-      return self._kept[pos - self._kept_at : pos - self._kept_at + n]
-    if n >= self._blob.readahead:
-      return self._blob.pread(self._start + pos, n)
-    want = min(self._blob.readahead, self._size - pos)
-    self._kept, self._kept_at = self._blob.pread(self._start + pos, want), pos
-    return self._kept[:n]
