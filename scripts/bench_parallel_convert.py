@@ -11,6 +11,13 @@ sampled from /proc):
   ucp xN       `ucp convert SRC DST --processes N` (N processes, each a share)
   ds w E/M     DeepSpeed's `ds_to_universal --num_extract_workers E --num_merge_workers M`
 
+With `--url`, the same checkpoint read as an object store holds it, by byte ranges through a
+TensorStore kvstore (a `file://` URL takes the path `gs://` and `s3://` take), against the
+status quo for a checkpoint in a bucket, downloading it whole first:
+
+  ucp url xN   `ucp convert file://SRC DST --processes N`
+  copy+ucp x1  `cp -r SRC LOCAL && ucp convert LOCAL DST` (the copy stands in for a download)
+
 Reported: median and spread of wall time over the rounds, throughput, scaling efficiency
 (time with 1 process / (N x time with N)), the peak RSS of the largest single process and
 of the whole tree. The physical bound beside them: the source read from the page cache
@@ -77,6 +84,7 @@ def main() -> int:
     "--ds-workers", default="4/2,1/1", help="ds_to_universal extract/merge workers ('' skips)"
   )
   parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+  parser.add_argument("--url", action="store_true", help="also read SRC through file:// URLs")
   args = parser.parse_args()
   src = os.path.join(args.dir, f"z3_{args.gib:g}gib_dp{args.dp}")
   if not os.path.isfile(os.path.join(src, "latest")):
@@ -87,6 +95,12 @@ def main() -> int:
   tag_dir = os.path.join(src, z3.TAG)
   src_bytes = sum(os.path.getsize(os.path.join(tag_dir, n)) for n in os.listdir(tag_dir))
   contenders = {f"ucp x{n}": _ucp(src, "{out}", int(n)) for n in args.processes.split(",")}
+  if args.url:
+    for n in args.processes.split(","):
+      contenders[f"ucp url x{n}"] = _ucp(f"file://{src}", "{out}", int(n))
+    local = os.path.join(args.dir, "copied")
+    convert = " ".join(_ucp(local, "{out}", 1))
+    contenders["copy+ucp x1"] = ["bash", "-c", f"cp -r {src} {local} && {convert}; rm -rf {local}"]
   for workers in filter(None, args.ds_workers.split(",")):
     e, m = workers.split("/")
     contenders[f"ds w {e}/{m}"] = _ds(tag_dir, "{out}", int(e), int(m))

@@ -11,14 +11,15 @@ SingleDeviceSharding (a bare Sharding as restore target, shape and dtype from th
 Checks (any failure: exit status 1): ucp_jax.save, then ucp_jax.restore onto the same sharding,
 the other one and host numpy (`restore(path)`); ucp_jax.reshard onto the other sharding with
 method "auto" and "device_put"; save_async against Orbax's async save, each followed by a
-jitted step that donates the state (the training-loop stall); every result's crc32 equals the original's, and its sharding is
-the one asked for; `ucp_jax.open(path).verify()` finds nothing; a dtype the checkpoint does not
-hold is refused with cast off. Timings (best of `--repeat`; never a failure) against
+jitted step that donates the state (the training-loop stall); every result's crc32 equals the
+original's, and its sharding is the one asked for; `ucp_jax.open(path).verify()` finds
+nothing; a dtype the checkpoint does not hold is refused with cast off. Timings (median and
+range of `--repeat` tries, first calls included; never a failure) against
 ocp.StandardCheckpointer (save + wait_until_finished, restore(path, abstract tree)) and
 jax.device_put. Restores read from the page cache (the checkpoint was just written).
 
 Usage, from the repository root:
-  PYTHONPATH=. python scripts/device_check.py --out $OUT          # 1 GiB, best of 2
+  PYTHONPATH=. python scripts/device_check.py --out $OUT          # 1 GiB, 2 tries each
   python scripts/device_check.py --size-mb 16 --repeat 1 --out /tmp/dc
 Writes DIR/device_check.json (every number) and DIR/device_check.txt (the table).
 """
@@ -30,6 +31,7 @@ import importlib.util
 import math
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -300,23 +302,31 @@ ROWS = [  # (table row, ucp_jax timing, baseline timing)
 
 def report(res: dict) -> str:
   t, nbytes = res["timings"], res["state_bytes"]
-  best = lambda name: t.get(name, {}).get("seconds") if name else None  # noqa: E731
-  first = lambda name: (t.get(name, {}).get("tries") or [None])[0] if name else None  # noqa: E731
+
+  def tries(name):
+    return (t.get(name, {}).get("tries") or []) if name else []
+
+  def median(name):
+    return statistics.median(tries(name)) if tries(name) else None
+
+  def spread(name):
+    return f"{min(tries(name)):.3f}-{max(tries(name)):.3f}" if tries(name) else "-"
+
   rows = []
   for label, ours, theirs in ROWS:
-    a, b = best(ours), best(theirs)
+    a, b = median(ours), median(theirs)
     rows.append([
-      label, bu.fmt(a, ".3f"), bu.fmt(first(ours), ".3f"), bu.fmt(bu.gbps(nbytes, a)),
-      (theirs or "-").replace(" " + label, ""), bu.fmt(b, ".3f"), bu.fmt(first(theirs), ".3f"),
+      label, bu.fmt(a, ".3f"), spread(ours), bu.fmt(bu.gbps(nbytes, a)),
+      (theirs or "-").replace(" " + label, ""), bu.fmt(b, ".3f"), spread(theirs),
       bu.fmt(bu.gbps(nbytes, b)), "-" if not a or b is None else f"{b / a:.2f}x",
     ])  # fmt: skip
-  head = ["ucp_jax", "best s", "1st s", "GB/s", "vs", "best s", "1st s", "GB/s", "speedup"]
+  head = ["ucp_jax", "median s", "range s", "GB/s", "vs", "median s", "range s", "GB/s", "speedup"]
   failed = [f"FAILED {x['name']}: {x['detail']}" for x in res["checks"] if not x["ok"]]
   return "\n".join([
     f"jax {res['jax_version']}, orbax {res['orbax_version']}, {res['platform']}: "
     f"{res['device_kind']} x{res['devices']}",
     f"state: {res['arrays']} x {res['array_shape']} float32 = {res['state_bytes'] / bu.MiB:.0f} "
-    f"MiB; {res['layout']}; best of {res['repeat']}",
+    f"MiB; {res['layout']}; medians of {res['repeat']} tries",
     f"reshard(method='auto') picks: {res['reshard_auto_picks']}"
     + (f" ({res['reshard_auto_reason']})" if res["reshard_auto_reason"] else ""),
     "", bu.table(head, rows, align="lrrrlrrrr"), "",
@@ -330,7 +340,7 @@ def main(argv=None) -> int:
     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
   )
   ap.add_argument("--size-mb", type=float, default=1024, help="state size in MiB (1024)")
-  ap.add_argument("--repeat", type=int, default=2, help="timed tries per phase, best kept (2)")
+  ap.add_argument("--repeat", type=int, default=2, help="timed tries per phase (2)")
   ap.add_argument("--out", required=True, help="writes device_check.json and .txt here")
   ap.add_argument("--dir", default=None, help="where checkpoints go (a temp dir, removed after)")
   args = ap.parse_args(argv)

@@ -12,6 +12,7 @@ crafted manifest cannot name a file outside the checkpoint or one of its own fil
 
 from __future__ import annotations
 
+import functools
 import re
 import urllib.parse
 from collections.abc import Iterable
@@ -28,6 +29,7 @@ MAX_PART_BYTES = 255
 """The longest file name most file systems allow: a longer key part cannot be stored."""
 
 
+@functools.lru_cache(maxsize=1 << 16)  # the same names recur in every save, restore, reshard
 def encode_part(name: str) -> str:
   """Encodes one path component (a dict key, attribute or index)."""
   if name in ("", ".", ".."):

@@ -51,7 +51,9 @@ def reshard(tree: Any, shardings: Any, *, method: str = "auto") -> Any:
   arrays = {k: x for k, x in flat.items() if k not in numbers}
   targets = _target_shardings(arrays, shardings, numbers)
   _check(arrays, targets)
-  problems = [] if method == "device_put" else _host_copy_problems(arrays, targets)
+  problems = (
+    [] if method == "device_put" else _host_copy_problems(arrays, targets, method == "auto")
+  )
   if method == "host" and problems:
     raise ValueError(
       "method='host' copies in this process's memory, which cannot move these arrays "
@@ -189,8 +191,11 @@ def _check(flat: dict[str, Any], targets: dict[str, jax.sharding.Sharding]) -> N
     )
 
 
-def _host_copy_problems(flat: dict[str, Any], targets: dict[str, Any]) -> list[str]:
-  """Why a host copy cannot do the move: it needs CPU arrays held wholly by this process."""
+def _host_copy_problems(
+  flat: dict[str, Any], targets: dict[str, Any], first: bool = False
+) -> list[str]:
+  """Why a host copy cannot do the move: it needs CPU arrays held wholly by this process
+  (`first`: the first reason only, which is all `method="auto"` needs)."""
   problems = []
   for key, x in flat.items():
     for what, sharding in (("array", x.sharding), ("target", targets[key])):
@@ -200,6 +205,8 @@ def _host_copy_problems(flat: dict[str, Any], targets: dict[str, Any]) -> list[s
         problems.append(
           f"{key}: the {what} is on {sorted({d.platform for d in sharding.device_set})}"
         )
+      if first and problems:
+        return problems
   return problems
 
 
