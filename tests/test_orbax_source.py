@@ -416,3 +416,11 @@ def test_missing_objects_on_an_object_store_are_named(tmp_path, state):
     ucp_jax.open(url)
   with pytest.raises(ucp_jax.CheckpointNotFoundError, match="no committed checkpoint"):
     ucp_jax.open(f"memory://orbax{next(_uploads)}/nothing")
+
+
+def test_hidden_files_beside_the_array_metadata_are_not_read(tmp_path, state, mesh):
+  S.save(tmp_path / "orbax", state)
+  (tmp_path / "orbax" / "array_metadatas" / ".process_0.swp").write_bytes(b"\0vim swap")
+  ckpt = ucp_jax.open(tmp_path / "orbax")
+  assert ckpt["model/rngs/default/key"].kind == "prng_key"  # process_0's metadata still read
+  S.assert_same(ucp_jax.restore(tmp_path / "orbax", S.on_mesh(S.abstract(), mesh)), state)

@@ -212,3 +212,104 @@ def test_a_conversion_by_two_processes_from_a_url(tmp_path):
   assert run.returncode == 0, run.stderr
   assert "by 2 processes" in run.stdout + run.stderr
   _same(ucp_jax.open(tmp_path / "u"), ucp_jax.open(folder))
+
+
+# Found in review: each was wrong before the fix beside it.
+
+
+def test_a_forged_end_record_costs_two_small_requests(monkeypatch):
+  from ucp_jax.sources.torch import _torch_file
+
+  data = bytearray(4 << 20)  # an end record claiming the file ends at byte 70000
+  data[-22:] = b"PK\x05\x06" + bytes(8) + (70000 - 22).to_bytes(4, "little") + bytes(6)
+  url = _upload_files({"m.pt": bytes(data)}) + "/m.pt"
+  fetched = _count_reads(monkeypatch)
+  with pytest.raises(ucp_jax.SourceFormatError, match="do not say where it ends"):
+    _torch_file.load_named(url)
+  assert sum(fetched) < 70_000  # the tail and two bytes: never the 4 MiB after byte 70000
+
+
+def test_reads_in_flight_before_any_pinned_the_generation_must_agree(monkeypatch):
+  url = _upload_files({"r.bin": b"A" * 1000})
+  blob = _remote.ObjectBlob(_remote.Folder.at(url), "r.bin")
+  read = _remote.Folder.read
+  store = _location.kvstore(_location.resolve(url + "/"))
+
+  def unpinned(self, name, start=0, stop=None, generation=None):  # as if both went out at once
+    return read(self, name, start, stop, None)
+
+  monkeypatch.setattr(_remote.Folder, "read", unpinned)
+  assert blob.pread(0, 10) == b"A" * 10
+  store.write("r.bin", b"B" * 1000).result()
+  with pytest.raises(ucp_jax.SourceFormatError, match="replaced while it was read"):
+    blob.pread(500, 10)
+
+
+@pytest.mark.parametrize("form", ["stride 2", "(1, n) of stride (1, 1)", "step (1, 1)"])
+def test_tensors_saved_as_views_read_as_from_disk(tmp_path, form):
+  torch = pytest.importorskip("torch")
+  import shutil
+
+  layout = "universal" if form.startswith("step") else "ckpt"
+  folder = tmp_path / layout
+  shutil.copytree(FIXTURES / "z1_fp32_dp2" / layout, folder)
+  if layout == "universal":
+    for file in folder.glob("zero/*/step.pt"):
+      grid = torch.zeros(3, 4)
+      grid[0, 1] = float(torch.load(file, weights_only=True))
+      torch.save(grid[:1, 1:2], file)  # shape (1, 1), strides (4, 1)
+  else:
+    file = folder / "global_step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    state = torch.load(file, weights_only=False)
+    groups = state["optimizer_state_dict"]["single_partition_of_fp32_groups"]
+    if form == "stride 2":
+      spread = torch.zeros(2 * groups[0].numel())
+      spread[::2] = groups[0]
+      groups[0] = spread[::2]
+    else:
+      groups[0] = groups[0].reshape(-1, 1).T
+    torch.save(state, file)
+  _same(ucp_jax.open(f"{_upload(tmp_path)}/{layout}"), ucp_jax.open(folder))
+
+
+def test_a_pointer_to_a_missing_tag_is_named(tmp_path):
+  import shutil
+
+  shutil.copytree(FIXTURES / "z1_fp32_dp2" / "ckpt", tmp_path / "ckpt")
+  (tmp_path / "ckpt" / "latest").write_text("global_step99")
+  url = _upload(tmp_path / "ckpt")
+  with pytest.raises(
+    ucp_jax.SourceFormatError, match=rf"{url}/latest names the tag 'global_step99'"
+  ):
+    ucp_jax.open(url)
+
+
+def test_a_large_legacy_torch_file_gets_the_legacy_hint(tmp_path):
+  torch = pytest.importorskip("torch")
+  from ucp_jax.sources.torch import _torch_file
+
+  torch.save({"w": torch.zeros(100_000)}, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
+  url = _upload(tmp_path) + "/old.pt"
+  with pytest.raises(ucp_jax.SourceFormatError, match="legacy torch format"):
+    _torch_file.load_named(url)
+
+
+def _upload_files(files: dict[str, bytes]) -> str:
+  url = f"memory://ds{next(_ids)}/files"
+  store = _location.kvstore(_location.resolve(url + "/"))
+  for name, data in files.items():
+    store.write(name, data).result()
+  return url
+
+
+def _count_reads(monkeypatch) -> list[int]:
+  fetched = []
+  read = _remote.Folder.read
+
+  def counted(self, name, start=0, stop=None, generation=None):
+    value, gen = read(self, name, start, stop, generation)
+    fetched.append(len(value))
+    return value, gen
+
+  monkeypatch.setattr(_remote.Folder, "read", counted)
+  return fetched

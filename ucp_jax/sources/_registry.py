@@ -67,8 +67,11 @@ def _sniff(path: str | os.PathLike) -> Source | None:
   text = os.fspath(path) if not isinstance(path, dict) else ""
   if "://" in text:  # on an object store: the sources that read by byte ranges
     remote = [get(name) for name in SOURCES]
-    return next(
+    found = next(
       (s for s in remote if getattr(s, "sniff_remote", None) and s.sniff_remote(text)), None
+    )
+    return found or next(
+      (s for s in remote if getattr(s, "sniff_weak", None) and s.sniff_weak(text)), None
     )
   if not text or not os.path.exists(text):
     return None

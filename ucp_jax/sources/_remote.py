@@ -82,7 +82,10 @@ class Folder:
         raise
     else:
       raise SourceFormatError(f"{self.path(name)}: larger than {limit} bytes")
-    return self.read(name)[0]
+    data = self.read(name)[0]
+    if len(data) > limit:  # it grew between the two requests
+      raise SourceFormatError(f"{self.path(name)}: replaced while it was read")
+    return data
 
 
 class ObjectBlob:
@@ -133,12 +136,30 @@ class ObjectBlob:
     except SourceFormatError as e:
       if "past its end" not in str(e):
         raise
-      return self._read(slice(0, None))
+    data = self._read(slice(0, None))
+    if len(data) >= n:  # it grew between the two requests
+      raise SourceFormatError(f"{self.folder.path(self.name)}: replaced while it was read")
+    return data
+
+  def ends_at(self, size: int) -> bool:
+    """Whether the object is exactly `size` bytes long (two one-byte requests)."""
+    if size < 1 or len(self._read(slice(size - 1, size))) != 1:
+      return False
+    try:
+      self._read(slice(size, size + 1))
+    except SourceFormatError as e:
+      if "past its end" in str(e):
+        return True
+      raise
+    return False
 
   def _read(self, byte_range: slice) -> bytes:
     data, generation = self.folder.read(
       self.name, byte_range.start, byte_range.stop, self.generation
     )
-    if self.generation is None:
-      self.generation = generation
+    with self._lock:  # reads in flight at once, before any pinned it, must agree too
+      if self.generation is None:
+        self.generation = generation
+      elif generation != self.generation:
+        raise SourceFormatError(f"{self.folder.path(self.name)}: replaced while it was read")
     return data

@@ -16,7 +16,7 @@ import numpy as np
 import tensorstore as ts
 
 from ucp_jax import _errors
-from ucp_jax.sources import _file_reads, _registry, _source_plan
+from ucp_jax.sources import _file_reads, _files, _registry, _source_plan
 from ucp_jax.store import _location, _reader
 
 _BLOCK_BYTES = 64 << 20
@@ -107,6 +107,7 @@ def open_source(path, source: str | None = None) -> SourceCheckpoint | None:
   if isinstance(path, dict):
     return None
   text = os.fspath(path)
-  if source is None and _registry.sniff(text) is None:
-    return None
-  return SourceCheckpoint(text, _registry.describe(text, source))
+  with _files.session():  # a URL's prefixes listed once for sniffing and describing
+    if source is None and _registry.sniff(text) is None:
+      return None
+    return SourceCheckpoint(text, _registry.describe(text, source))

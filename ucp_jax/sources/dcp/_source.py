@@ -51,7 +51,7 @@ def sniff(path: str, fs: _files.Files | None = None) -> bool:
 
 def sniff_remote(url: str) -> bool:
   """`sniff` for a URL: one listing of the prefix."""
-  return sniff(url.rstrip("/"), _files.RemoteFiles())
+  return sniff(url.rstrip("/"))
 
 
 def describe(path: str) -> Plan:

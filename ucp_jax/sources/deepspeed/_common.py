@@ -16,9 +16,9 @@ import numpy as np
 
 from ucp_jax._errors import SourceFormatError, bullet_list
 from ucp_jax.sources import _files
-from ucp_jax.sources._source_plan import Param, Tensor, fixed, jsonable, number
+from ucp_jax.sources._source_plan import Param, jsonable, number
 from ucp_jax.sources.deepspeed import _contract as contract
-from ucp_jax.sources.torch import _torch_file
+from ucp_jax.sources.torch import _optimizer, _torch_file
 from ucp_jax.sources.torch._torch_file import is_tensor
 
 MODEL_KEYS = (
@@ -268,10 +268,8 @@ def model_extras(model: dict, path: str, optimized: set[str]) -> tuple[list, dic
   return tied, buffers, frozen
 
 
-def whole(array: np.ndarray, where: str) -> Tensor:
-  """A `Tensor` for an array that is in one piece in one file."""
-  piece = array.reshape(-1) if array.flags.c_contiguous else np.ascontiguousarray(array).ravel()
-  return Tensor(tuple(array.shape), array.dtype, fixed([piece]), where)
+whole = _optimizer.whole
+"""A `Tensor` for an array that is in one piece in one file (a strided one copied when read)."""
 
 
 def layout(model: dict, *, stage: int, optimizer_class: str) -> dict:

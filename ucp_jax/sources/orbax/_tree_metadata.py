@@ -163,7 +163,7 @@ def _prng_impls(fs: _files.Files, folder: str) -> dict[str, str]:
   """Stored array name -> PRNG implementation, from every process's array metadata."""
   out = {}
   metadatas = os.path.join(folder, "array_metadatas")
-  names = fs.listdir(metadatas) if fs.isdir(metadatas) else []
+  names = [n for n in fs.listdir(metadatas) if not n.startswith(".")] if fs.isdir(metadatas) else []
   for file in (os.path.join(metadatas, n) for n in names):
     data = _json(fs, file, what="the array metadata of one process")
     entries = data.get("array_metadatas") if isinstance(data, dict) else None

@@ -323,7 +323,7 @@ class _Tensors:
           f"MAX_BROADCAST_BYTES ({MAX_BROADCAST_BYTES}) beyond their storages"
         )
     contiguous = tuple(math.prod(size[i + 1 :]) for i in range(len(size)))
-    if stride == contiguous or not numel:
+    if not numel or all(n == 1 or s == c for n, s, c in zip(size, stride, contiguous)):
       return data[offset : offset + numel].reshape(size)
     if isinstance(data, _torch_zip.ByteSpan):
       return data.strided(offset, size, stride)

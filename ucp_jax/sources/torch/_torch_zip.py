@@ -70,15 +70,20 @@ _FILE_KINDS = {
 }
 
 
-def open_zip(path: str, f: BinaryIO) -> zipfile.ZipFile:
-  head = f.read(512)
-  f.seek(0)
+def _refuse_legacy(path: str, head: bytes) -> None:
+  """Raises for a torch file in the legacy (pre-zip) format, given its first 512 bytes."""
   if head.startswith(_LEGACY_MAGIC) or head[257:262] == b"ustar":
     raise SourceFormatError(
       f"{path}: legacy torch format (torch.save before 1.6, or with "
       "_use_new_zipfile_serialization=False), which the safe reader does not read. Re-save it "
       "with torch>=1.6: torch.save(torch.load(old, weights_only=True), new)."
     )
+
+
+def open_zip(path: str, f: BinaryIO) -> zipfile.ZipFile:
+  head = f.read(512)
+  f.seek(0)
+  _refuse_legacy(path, head)
   try:
     return zipfile.ZipFile(f)
   except Exception as e:  # zipfile's parser on a forged directory: BadZipFile, ValueError, ...
@@ -126,10 +131,13 @@ class FileBlob:
   readahead = 0
 
   def __init__(self, f: BinaryIO) -> None:
+    self._file = f
     self.fileno = f.fileno()
     self.size = os.fstat(self.fileno).st_size
 
   def pread(self, at: int, n: int, within=None) -> bytes:
+    if self._file.closed:  # its descriptor may be another file's by now
+      raise SourceFormatError(f"{self._file.name}: read after it was closed")
     return os.pread(self.fileno, n, at)
 
 
@@ -199,13 +207,18 @@ class ByteSpan:
     return _Flags(self.contiguous)
 
   def __getitem__(self, key: slice) -> ByteSpan:
-    if not isinstance(key, slice) or self.dims is not None or not self.contiguous:
+    if not isinstance(key, slice) or self.ndim != 1:
       raise TypeError("a ByteSpan takes 1-D slices only")
     start, stop, step = key.indices(self.size)
     if step != 1:
       raise TypeError("a ByteSpan takes slices of step 1 only")
-    stop = max(start, stop)
-    return dataclasses.replace(self, offset=self.offset + start * self.itemsize, size=stop - start)
+    n = max(start, stop) - start
+    if self.contiguous:
+      return dataclasses.replace(self, offset=self.offset + start * self.itemsize, size=n)
+    (stride,) = self.strides
+    return dataclasses.replace(
+      self, offset=self.offset + start * stride * self.itemsize, size=n, dims=(n,)
+    )
 
   def view(self, dtype) -> ByteSpan:
     dtype = np.dtype(dtype)
@@ -218,9 +231,10 @@ class ByteSpan:
     if -1 in shape:
       known = math.prod(d for d in shape if d != -1)
       shape = tuple(self.size // max(known, 1) if d == -1 else d for d in shape)
-    if math.prod(shape) != self.size or not self.contiguous:
+    if math.prod(shape) != self.size or not (self.contiguous or self.size <= 1):
       raise ValueError(f"cannot reshape {self.size} elements to {shape}")
-    return dataclasses.replace(self, dims=None if len(shape) == 1 else tuple(shape))
+    dims = None if len(shape) == 1 else tuple(shape)
+    return dataclasses.replace(self, dims=dims, strides=None)
 
   def ravel(self) -> ByteSpan:
     return self.reshape(-1)
@@ -261,7 +275,9 @@ class ByteSpan:
 
   def __array__(self, dtype=None, copy=None) -> np.ndarray:
     out = self.read()
-    return out if dtype is None else out.astype(dtype)
+    if dtype is not None:
+      return out.astype(dtype)
+    return out.copy() if copy else out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,13 +321,14 @@ _TAIL_BYTES = _EOCD.size + 0xFFFF + _ZIP64_LOCATOR.size  # the end record's furt
 
 def zip_size(blob, path: str) -> int:
   """The size of a zip file whose size is not known (an object on a store: `blob` reads its
-  `tail(n)` and the `rest(at)` from a byte on), from its end records, checked by reading
-  from its last byte to the end."""
+  `tail(n)` and says whether it `ends_at(size)`), from its end records, checked with two
+  one-byte requests."""
   tail = blob.tail(_TAIL_BYTES)
   if len(tail) < _TAIL_BYTES:
     return len(tail)  # the whole object
   at = tail.rfind(b"PK\x05\x06", 0, len(tail) - _EOCD.size + 4)
   if at < 0:
+    _refuse_legacy(path, blob.pread(0, 512))
     raise SourceFormatError(f"{path}: no zip end record: not a torch file (or truncated)")
   _, _, _, _, _, cd_size, cd_offset, comment = _EOCD.unpack_from(tail, at)
   end = cd_offset + cd_size  # where the end record starts, with no zip64 records between
@@ -320,12 +337,14 @@ def zip_size(blob, path: str) -> int:
     len(locator) == _ZIP64_LOCATOR.size and locator[:4] == b"PK\x06\x07"
   ):  # zip64 records (torch always writes them) come first
     _, _, record_at, _ = _ZIP64_LOCATOR.unpack(locator)
+    if record_at >= 1 << 62:
+      raise SourceFormatError(f"{path}: a zip64 end record at byte {record_at}: corrupt")
     head = blob.pread(record_at, _ZIP64_EOCD_HEAD.size)
     if len(head) != _ZIP64_EOCD_HEAD.size or head[:4] != b"PK\x06\x06":
       raise SourceFormatError(f"{path}: a corrupt zip64 end record")
     end = record_at + 12 + _ZIP64_EOCD_HEAD.unpack(head)[1] + _ZIP64_LOCATOR.size
   size = end + _EOCD.size + comment
-  if size < _TAIL_BYTES or len(blob.rest(size - 1)) != 1:
+  if size < _TAIL_BYTES or not blob.ends_at(size):
     raise SourceFormatError(f"{path}: its zip end records do not say where it ends: corrupt")
   blob.keep(size - len(tail), tail)  # the directory is in it: parsing it costs no request
   return size
