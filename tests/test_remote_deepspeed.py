@@ -313,3 +313,20 @@ def _count_reads(monkeypatch) -> list[int]:
 
   monkeypatch.setattr(_remote.Folder, "read", counted)
   return fetched
+
+
+def test_the_growth_check_counts_the_bytes_the_readers_saw(tmp_path, monkeypatch):
+  """Listings give no sizes: a conversion from a URL checks its arrays against the bytes the
+  readers saw the objects hold (zip sizes, DCP spans, safetensors data), not against zero."""
+  from ucp_jax.sources import _convert
+
+  monkeypatch.setattr(_convert, "GROWTH_SLACK", 0)
+  dcp = FIXTURES.parent / "dcp" / "fsdp2_adamw"
+  for i, url in enumerate(
+    [f"{_upload(FIXTURES / 'z2_fp32_dp2')}/ckpt", f"{_upload(FIXTURES / 'z3_bf16_dp3')}/universal",
+     _upload(dcp)]
+  ):  # fmt: skip
+    ucp_jax.convert(url, tmp_path / str(i))
+  monkeypatch.setattr(_convert, "MAX_GROWTH", 0.01)
+  with pytest.raises(ucp_jax.SourceFormatError, match="MAX_GROWTH"):
+    ucp_jax.convert(f"{_upload(FIXTURES / 'z2_fp32_dp2')}/ckpt", tmp_path / "x")

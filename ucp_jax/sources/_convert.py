@@ -126,7 +126,7 @@ def convert(
   plan = _registry.describe(src, source, **options)
   target = _location.resolve(dst)
   manifest, tensors = _source_plan.manifest_of(plan)
-  _check_growth(plan.path, manifest.nbytes, plan.max_growth or MAX_GROWTH)
+  _check_growth(plan, manifest.nbytes)
   _write(target, manifest, tensors, overwrite=overwrite, progress=progress, durable=durable)
   return ConvertReport(
     src=plan.path,
@@ -141,12 +141,16 @@ def convert(
   )
 
 
-def _check_growth(folder: str, nbytes: int, growth: float = MAX_GROWTH) -> None:
-  """Refuses to write more than `growth` times the bytes of the source's files.
-
-  `folder` is what the source read: a folder (every file below it counts) or one file.
-  """
-  if os.path.isfile(folder):
+def _check_growth(plan: _source_plan.Plan, nbytes: int) -> None:
+  """Refuses to write more than `plan.max_growth` (`MAX_GROWTH`) times the bytes of the
+  source's files: those below `plan.path` (a folder, or one file), or, on an object store,
+  those its readers saw (`plan.source_bytes`; unknown for Orbax's there: not checked)."""
+  folder, growth = plan.path, plan.max_growth or MAX_GROWTH
+  if "://" in folder:
+    if plan.source_bytes is None:
+      return
+    read = plan.source_bytes
+  elif os.path.isfile(folder):
     read = os.stat(folder).st_size
   else:
     read = sum(

@@ -66,6 +66,7 @@ class RemoteFiles:
 
   def __init__(self) -> None:
     self._listed: dict[str, frozenset[str]] = {}  # URL prefix -> object names below it
+    self.seen: dict[str, int] = {}  # object URL -> bytes its reader saw it hold (at least)
 
   def absolute(self, path: str) -> str:
     return path.rstrip("/")
@@ -141,6 +142,26 @@ def for_path(path: str) -> Files:
   if not _remote.is_remote(path):
     return LocalFiles()
   return _SESSION.get() or RemoteFiles()
+
+
+def note_size(url: str, nbytes: int) -> None:
+  """Records that the object `url` holds at least `nbytes` (listings give no sizes; the
+  growth check of a conversion counts these)."""
+  files = _SESSION.get()
+  if files is not None:
+    files.seen[url] = max(nbytes, files.seen.get(url, 0))
+
+
+def seen_bytes(folder: str) -> int | None:
+  """The bytes noted of the objects at or below the URL `folder` in this session; None when
+  none were (a source TensorStore reads itself)."""
+  files = _SESSION.get()
+  folder = folder.rstrip("/")
+  sizes = [
+    n for url, n in (files.seen if files else {}).items()
+    if url == folder or url.startswith(folder + "/")
+  ]  # fmt: skip
+  return sum(sizes) if sizes else None
 
 
 def isdir(path: str) -> bool:

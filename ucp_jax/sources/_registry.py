@@ -9,6 +9,7 @@ adding a format is adding a module and a line below.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 from typing import Protocol
@@ -113,4 +114,7 @@ def find(path: str | os.PathLike, name: str | None = None) -> Source:
 def describe(path: str | os.PathLike, name: str | None = None, **options) -> Plan:
   """The plan of `path`, read by its source (`name`'s, or the one that recognizes it)."""
   with _files.session():  # a URL's prefixes listed once for sniffing and describing
-    return find(path, name).describe(os.fspath(path), **options)
+    plan = find(path, name).describe(os.fspath(path), **options)
+    if "://" in plan.path:  # object stores list no sizes: the bytes its readers saw
+      plan = dataclasses.replace(plan, source_bytes=_files.seen_bytes(plan.path))
+    return plan

@@ -131,6 +131,9 @@ class Plan:
     schema: the manifest's schema for a plan of `arrays` alone (it names their keys), or None.
     max_growth: how many times the bytes of its files the arrays may take (`convert` refuses
       more: tensors aliasing each other, a decompression bomb); None for `MAX_GROWTH`.
+    source_bytes: for a source on an object store (whose listings give no sizes), the bytes
+      its readers saw its files hold; None where they read none themselves (Orbax's arrays,
+      which TensorStore reads and checks chunk by chunk against their metadata).
       Compressed sources set the bound of their codec.
   """
 
@@ -145,6 +148,7 @@ class Plan:
   arrays: dict[str, Tensor] = dataclasses.field(default_factory=dict)
   schema: dict | None = None
   max_growth: float | None = None
+  source_bytes: int | None = None
 
 
 def number(value: Any) -> int | float:

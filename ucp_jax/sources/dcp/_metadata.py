@@ -406,6 +406,7 @@ def _check_objects(
     elif ends[name]:
       try:
         _remote.Folder.at(folder).read(name, ends[name] - 1, ends[name])
+        _files.note_size(full, ends[name])
       except SourceFormatError:
         problems.append(
           f"{full}: shorter than the {ends[name]} bytes its entries are stored in ({_some(keys)}): "

@@ -27,6 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from ucp_jax._errors import SourceFormatError, bullet_list
+from ucp_jax.sources import _files
 from ucp_jax.sources.torch._torch_zip import open_regular
 
 MAX_HEADER_BYTES = 100 << 20
@@ -180,6 +181,7 @@ def read_remote_header(folder, name: str) -> SafetensorsFile:
       raise SourceFormatError(
         f"{path}: the header puts tensor data up to byte {end}, past the end of the file: truncated"
       ) from None
+  _files.note_size(path, max(end, 8 + length))
   return file
 
 

@@ -201,7 +201,10 @@ def _load_object(url: str) -> Any:
 
   folder, name = url.rstrip("/").rsplit("/", 1)
   blob = _remote.ObjectBlob(_remote.Folder.at(folder), name)
+  from ucp_jax.sources import _files
+
   blob.size = _torch_zip.zip_size(blob, url)
+  _files.note_size(url, blob.size)
   return load_from(blob, url, locate=True)
 
 
