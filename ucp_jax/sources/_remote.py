@@ -8,6 +8,7 @@ while it is read is refused, not mixed with the old one.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import threading
 
@@ -15,6 +16,14 @@ import tensorstore as ts
 
 from ucp_jax._errors import SourceFormatError
 from ucp_jax.store import _location
+
+_FETCHES = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="ucp_fetch")
+"""Range requests in flight at once (each waits on the network, not on a core)."""
+
+
+def submit(fn) -> concurrent.futures.Future:
+  """Runs `fn()` on the pool of range requests."""
+  return _FETCHES.submit(fn)
 
 
 def is_remote(path) -> bool:

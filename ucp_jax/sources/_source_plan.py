@@ -300,24 +300,31 @@ def assemble(tensor: Tensor) -> tuple[np.ndarray, list[np.ndarray]]:
 
 
 def _fetched(pieces: Sequence[Any], dtype: np.dtype) -> np.ndarray:
-  """The concatenated pieces, those located in files on an object store fetched in parallel."""
-  if len(pieces) == 1:
-    return np.asarray(pieces[0])
+  """The concatenated pieces, those located in files on an object store (`ByteSpan`s) fetched
+  straight into place, several requests in flight at once."""
+  from ucp_jax.sources import _remote
+
   out = np.empty(sum(p.size for p in pieces), dtype)
-  at = 0
-  for piece, read in zip(pieces, read_pieces(pieces)):
-    out[at : at + piece.size] = read
+  tasks, at = [], 0
+  for piece in pieces:
+    part = out[at : at + piece.size]
+    if isinstance(piece, ByteSpan) and piece.contiguous:
+      tasks += piece.read_into(part, _remote.submit)
+    else:
+      part[...] = np.asarray(piece).reshape(-1)
     at += piece.size
+  for task in tasks:
+    task.result()
   return out
 
 
 def read_pieces(pieces: Sequence[Any]) -> list[np.ndarray]:
   """`pieces` as arrays: those located in files on an object store (`ByteSpan`s) fetched,
   several requests in flight at once."""
-  from ucp_jax.store import _direct
-
-  tasks = [_direct.submit(p.read) if isinstance(p, ByteSpan) else p for p in pieces]
-  return [t if isinstance(t, np.ndarray) else t.result() for t in tasks]
+  return [
+    _fetched([p], np.dtype(p.dtype)).reshape(p.shape) if isinstance(p, ByteSpan) else p
+    for p in pieces
+  ]
 
 
 def manifest_of(plan: Plan) -> tuple[Manifest, dict[str, Tensor]]:

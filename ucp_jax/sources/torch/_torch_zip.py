@@ -15,6 +15,7 @@ opened to `locate` reads no storage bytes: each storage is a `ByteSpan`, where i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import math
 import mmap as mmap_lib
@@ -246,8 +247,34 @@ class ByteSpan:
   def byteswap(self) -> ByteSpan:
     return dataclasses.replace(self, swapped=not self.swapped)
 
+  def read_into(self, out: np.ndarray, submit=None) -> list:
+    """Starts fetching the elements of a contiguous span into the C-contiguous `out` (of
+    `nbytes`), in blocks of `READ_BLOCK` bytes, each by `submit(fn)` (a thread pool's: blocks
+    in flight together) or at once; returns what to wait on (futures, or nothing)."""
+    flat = out.reshape(-1).view(np.uint8)
+    at, tasks = self.file_offset(), []
+    for start in range(0, self.nbytes, READ_BLOCK):
+      stop = min(self.nbytes, start + READ_BLOCK)
+      job = functools.partial(self._fetch, at + start, flat[start:stop])
+      tasks.append(submit(job) if submit else job())
+    return [t for t in tasks if t is not None]
+
+  def _fetch(self, at: int, dest: np.ndarray) -> None:
+    data = self.entry.blob.pread(at, dest.nbytes)
+    if len(data) != dest.nbytes:
+      raise SourceFormatError(f"{self.where}: ends inside a tensor (byte {at + len(data)})")
+    dest[...] = np.frombuffer(data, np.uint8)
+    if self.swapped and self.itemsize > 1:
+      view = dest.view(self.dtype)
+      view[...] = view.byteswap()
+
   def read(self) -> np.ndarray:
     """The elements, fetched from the blob (a read-only array of `shape`)."""
+    if self.contiguous:
+      out = np.empty(self.shape, self.dtype)
+      self.read_into(out)
+      out.flags.writeable = False
+      return out
     extent = self.size
     if not self.contiguous:
       extent = 1 + sum((n - 1) * s for n, s in zip(self.shape, self.strides)) if self.size else 0
@@ -313,6 +340,8 @@ class EntryStart:
     return start
 
 
+READ_BLOCK = 8 << 20
+"""Bytes of one request when a tensor is fetched (several in flight at once)."""
 _EOCD = struct.Struct("<4s4H2LH")  # signature, disks, entries, directory size and offset, comment
 _ZIP64_LOCATOR = struct.Struct("<4sLQL")  # signature, disk, zip64 end record offset, disks
 _ZIP64_EOCD_HEAD = struct.Struct("<4sQ")  # signature, size of the rest of the record
