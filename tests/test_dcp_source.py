@@ -435,3 +435,22 @@ def test_missing_and_truncated_rank_objects_are_named(tmp_path):
   assert not (tmp_path / "dst").exists()
   with pytest.raises(SourceFormatError, match=r"\.metadata: missing"):
     ucp_jax.open(_upload(FSDP2, drop=".metadata"), source="dcp")
+
+
+def test_devices_whose_slices_share_a_cell_read_it_once(monkeypatch, devices):
+  sizes = []
+  read = _chunks.RankFiles.read
+
+  def record(self, entry, chunk, part, out):
+    sizes.append(out.nbytes)
+    read(self, entry, chunk, part, out)
+
+  monkeypatch.setattr(_chunks.RankFiles, "read", record)
+  for path in (FSDP2, _upload(FSDP2)):
+    view = ucp_jax.open(path)
+    sizes.clear()
+    target = {"params": {"h.0.mlp.fc.weight": NamedSharding(jax.make_mesh((8,), ("x",)), P("x"))}}
+    restored = ucp_jax.restore(view, target, partial=True)["params"]["h.0.mlp.fc.weight"]
+    # (64, 16) float32 in two cells, one per rank's chunk; 8 devices take 8 rows each
+    assert sorted(sizes) == [2048, 2048], path
+    assert np.array_equal(np.asarray(restored), view.read("params/h.0.mlp.fc.weight"))

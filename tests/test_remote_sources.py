@@ -121,6 +121,10 @@ def test_a_restore_from_an_object_store_reads_only_its_rows(tmp_path, monkeypatc
   np.testing.assert_array_equal(np.asarray(out), SD[name])
   assert reads.nbytes() == SD[name].nbytes  # its rows once, nothing else
   reads.ranges.clear()
+  view.read(f"params/{name}", np.s_[41:42])  # from the cells the restore read: no request
+  assert reads.ranges == []
+  view = ucp_jax.open(url)  # a view of its own: it reads the object again
+  reads.ranges.clear()
   np.testing.assert_array_equal(view.read(f"params/{name}", np.s_[41:42]), SD[name][41:42])
   data = files["model.safetensors"]
   assert reads.ranges == [("model.safetensors", *_byte_range(data, name, (40, 44)))]

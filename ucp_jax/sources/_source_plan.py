@@ -78,14 +78,25 @@ def lazy_store(
   def read_cell(domain: ts.IndexDomain, out: np.ndarray, _params) -> None:
     read(tuple(slice(d.inclusive_min, d.exclusive_max) for d in domain), out)
 
+  global _CELL_CONTEXT
+  if _CELL_CONTEXT is None:  # devices whose slices share a cell read it once (it is cached)
+    _CELL_CONTEXT = ts.Context(
+      {"cache_pool": {"total_bytes_limit": CELL_CACHE_BYTES}}, parent=_location.CONTEXT
+    )
   layout = ts.ChunkLayout(read_chunk_shape=[max(1, c) for c in cells]) if shape else None
   return ts.virtual_chunked(
     read_cell,
     dtype=ts.dtype(np.dtype(dtype).name),
     shape=shape,
     chunk_layout=layout,
-    context=_location.CONTEXT,
+    context=_CELL_CONTEXT,
   )
+
+
+CELL_CACHE_BYTES = 64 << 20
+"""Memory the cells of lazy source arrays may hold at once, so that the devices of a restore
+whose slices share a cell read it once (each array opened anew: none sees an older file's)."""
+_CELL_CONTEXT = None
 
 
 def fixed(pieces: Sequence[np.ndarray]) -> Pieces:
