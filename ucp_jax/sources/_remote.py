@@ -134,10 +134,6 @@ class ObjectBlob:
     with self._lock:
       self._blocks = [(start, data), *self._blocks[: self._KEEP - 1]]
 
-  def rest(self, at: int) -> bytes:
-    """The bytes from `at` to the end."""
-    return self._read(slice(at, None))
-
   def tail(self, n: int) -> bytes:
     """The last `n` bytes, or all of a shorter object."""
     try:

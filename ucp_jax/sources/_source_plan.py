@@ -9,6 +9,7 @@ time, writes it and drops it, so host memory stays bounded by a few parameters.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import mmap
 from collections.abc import Callable, Sequence
@@ -313,29 +314,34 @@ def assemble(tensor: Tensor) -> tuple[np.ndarray, list[np.ndarray]]:
 def _fetched(pieces: Sequence[Any], dtype: np.dtype) -> np.ndarray:
   """The concatenated pieces, those located in files on an object store (`ByteSpan`s) fetched
   straight into place, several requests in flight at once."""
-  from ucp_jax.sources import _remote
-
   out = np.empty(sum(p.size for p in pieces), dtype)
-  tasks, at = [], 0
-  for piece in pieces:
-    part = out[at : at + piece.size]
-    if isinstance(piece, ByteSpan) and piece.contiguous:
-      tasks += piece.read_into(part, _remote.submit)
-    else:
-      part[...] = np.asarray(piece).reshape(-1)
-    at += piece.size
-  for task in tasks:
-    task.result()
+  starts = np.cumsum([0, *(p.size for p in pieces)])
+  _fill(pieces, [out[a:b] for a, b in itertools.pairwise(starts)])
   return out
 
 
 def read_pieces(pieces: Sequence[Any]) -> list[np.ndarray]:
   """`pieces` as arrays: those located in files on an object store (`ByteSpan`s) fetched,
-  several requests in flight at once."""
-  return [
-    _fetched([p], np.dtype(p.dtype)).reshape(p.shape) if isinstance(p, ByteSpan) else p
-    for p in pieces
-  ]
+  the requests of all of them in flight together."""
+  outs = [np.empty(p.shape, p.dtype) if isinstance(p, ByteSpan) else p for p in pieces]
+  located = [i for i, p in enumerate(pieces) if isinstance(p, ByteSpan)]
+  _fill([pieces[i] for i in located], [outs[i] for i in located])
+  return outs
+
+
+def _fill(pieces: Sequence[Any], outs: Sequence[np.ndarray]) -> None:
+  """Copies each piece into its C-contiguous `out`; a located one's blocks are requested on
+  the pool of range requests, all at once."""
+  from ucp_jax.sources import _remote
+
+  tasks = []
+  for piece, out in zip(pieces, outs):
+    if isinstance(piece, ByteSpan) and piece.contiguous:
+      tasks += piece.read_into(out, _remote.submit)
+    else:
+      out[...] = np.asarray(piece).reshape(out.shape)
+  for task in tasks:
+    task.result()
 
 
 def manifest_of(plan: Plan) -> tuple[Manifest, dict[str, Tensor]]:

@@ -397,6 +397,7 @@ def _check_objects(
     stored = blob.stored
     ends[stored.file] = max(ends.get(stored.file, 0), stored.offset + stored.length)
   problems = []
+  objects = _remote.Folder.at(folder)
   for name, keys in users.items():
     full = os.path.join(folder, name)
     if not fs.isfile(full):
@@ -405,7 +406,7 @@ def _check_objects(
       )
     elif ends[name]:
       try:
-        _remote.Folder.at(folder).read(name, ends[name] - 1, ends[name])
+        objects.read(name, ends[name] - 1, ends[name])
         _files.note_size(full, ends[name])
       except SourceFormatError:
         problems.append(
