@@ -30,7 +30,9 @@ peak RSS is per contender:
   reshard_ucp / reshard_device_put
                 ucp_jax.reshard(state, different-mesh shardings) vs jax.device_put(state, same).
                 The first call is timed on its own (device_put compiles its resharding then),
-                then `--repeat` further calls.
+                then `--settle` untimed calls (default 4: what `method="auto"` spends timing
+                both paths; device_put's allocator warms up then too), then `--repeat` further
+                calls: the steady state of a reshard repeated in a loop.
   reshard_memcpy
                 The floor for any reshard that copies: numpy copies the same target slices out
                 of the same source shards on 2 threads, with no JAX in the way. First call into
@@ -442,6 +444,8 @@ def _worker_reshard(ph, state, crcs, same, diff, root, method):
   repeat = ph.args.repeat
   ph.args.repeat = 1
   ph.run("reshard_first", fn, check=lambda r: verify(r, crcs, diff))
+  for _ in range(ph.args.settle):
+    fn()
   ph.args.repeat = repeat
   ph.run("reshard", fn, check=lambda r: verify(r, crcs, diff))
 
@@ -760,6 +764,12 @@ def main(argv=None) -> int:
   )
   ap.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(CONTENDERS)}")
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument(
+    "--settle",
+    type=int,
+    default=4,
+    help="untimed reshard calls between the first and the repeated ones (4)",
+  )
   ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
   ap.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
@@ -779,7 +789,7 @@ def main(argv=None) -> int:
   os.makedirs(args.dir, exist_ok=True)
   common = [
     "--size-mb", str(args.size_mb), "--arrays", str(args.arrays), "--repeat", str(args.repeat),
-    "--dir", args.dir, "--seed", str(args.seed),
+    "--dir", args.dir, "--seed", str(args.seed), "--settle", str(args.settle),
   ]  # fmt: skip
   if args.drop_caches:
     common.append("--drop-caches")

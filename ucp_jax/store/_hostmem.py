@@ -1,7 +1,23 @@
-"""Host buffers that CPU devices can adopt without a copy."""
+"""Host buffers that CPU devices can adopt without a copy, recycled while they are warm.
+
+A restore or a reshard returns new arrays, and new memory costs the kernel a fault and
+a zeroed page for every page before the first byte lands: on a 2-core VM reading 1 GiB
+from the page cache into fresh memory takes 1.3-1.4x as long as into touched memory. So
+large buffers come from a pool: when the last array over a buffer goes (the device
+releases an adopted buffer, or the caller drops a numpy result), the buffer goes back to
+the pool, and the next request of the same size gets it with its pages still mapped.
+Buffers left unused for `IDLE_SECONDS` are returned to the system, and the pool never keeps
+more than `pool_limit()` bytes unused.
+"""
 
 from __future__ import annotations
 
+import collections
+import mmap
+import os
+import threading
+import time
+import weakref
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -10,12 +26,21 @@ if TYPE_CHECKING:
   import jax
 
 _ALIGN = 64  # XLA's CPU client aliases host buffers aligned to this many bytes
+POOLED_BYTES = 1 << 20
+"""Buffers at least this large are pooled; smaller ones come from numpy's allocator."""
+IDLE_SECONDS = 10.0
+"""How long an unused buffer stays in the pool."""
+_PAGE = mmap.PAGESIZE
+_HUGE_ADVICE_BYTES = 4 << 20
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-  """An uninitialized C-contiguous array whose data is 64-byte aligned."""
+  """An uninitialized C-contiguous array whose data is 64-byte aligned (page-aligned when
+  it comes from the pool)."""
   dtype = np.dtype(dtype)
   nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+  if nbytes >= POOLED_BYTES:
+    return POOL.take(nbytes).view(dtype).reshape(shape)
   raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
   offset = (-raw.ctypes.data) % _ALIGN
   return raw[offset : offset + nbytes].view(dtype).reshape(shape)
@@ -29,3 +54,117 @@ def to_device(host: np.ndarray, device: jax.Device) -> jax.Array:
   import jax
 
   return jax.device_put(host, device, may_alias=True)
+
+
+def adopts(sharding: jax.sharding.Sharding) -> bool:
+  """Whether the devices of `sharding` take host buffers as they are (CPU devices)."""
+  return all(d.platform == "cpu" for d in sharding.device_set)
+
+
+def adopt(
+  shape: tuple[int, ...], sharding: jax.sharding.Sharding, hosts: dict[tuple, np.ndarray]
+) -> jax.Array:
+  """The array over `sharding` whose every slice is the host buffer of its region (keyed by
+  `_regions.bounds`), put on this process's devices in one call: on CPU an aligned buffer
+  is adopted, not copied (8x faster than a `to_device` per slice).
+
+  The caller must not write to the buffers afterwards.
+  """
+  import jax
+
+  from ucp_jax.store import _regions
+
+  return jax.make_array_from_callback(
+    shape, sharding, lambda index: hosts[_regions.bounds(index, shape)]
+  )
+
+
+def pool_limit() -> int:
+  """The most unused bytes the pool keeps: a quarter of physical memory."""
+  try:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+  except (ValueError, OSError):
+    return 1 << 30
+
+
+class _Pool:
+  """Anonymous mappings by size, lent as numpy arrays and taken back when those arrays go.
+
+  A buffer comes back wherever its last array goes, even inside a garbage collection that
+  an allocation under the pool's lock set off; so coming back takes no lock (a deque append),
+  and the buffers that came back are sorted into the free lists by whoever next holds it.
+  """
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._returned: collections.deque = collections.deque()  # (size, block, when)
+    self._free: dict[int, list[tuple[float, mmap.mmap]]] = {}  # size -> [(freed at, block)]
+    self._free_bytes = 0
+    self._timer: threading.Timer | None = None
+
+  def take(self, nbytes: int) -> np.ndarray:
+    size = -(-nbytes // _PAGE) * _PAGE
+    with self._lock:
+      self._sort_returned()
+      blocks = self._free.get(size)
+      block = blocks.pop()[1] if blocks else None
+      if block is not None:
+        self._free_bytes -= size
+    if block is None:
+      block = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+      if size >= _HUGE_ADVICE_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
+        block.madvise(mmap.MADV_HUGEPAGE)  # as numpy does for its large arrays
+    lease = np.frombuffer(block, np.uint8, nbytes)  # every view of it keeps it alive
+    weakref.finalize(lease, self._give_back, size, block)
+    return lease
+
+  def _give_back(self, size: int, block: mmap.mmap) -> None:
+    self._returned.append((size, block, time.monotonic()))
+    if self._lock.acquire(blocking=False):  # else its holder sorts it
+      try:
+        self._sort_returned()
+      finally:
+        self._lock.release()
+
+  def _sort_returned(self) -> None:
+    """(Lock held.) Files the buffers that came back, within the limit (the rest are
+    unmapped when collected), and starts the idle timer."""
+    while self._returned:
+      size, block, when = self._returned.popleft()
+      if self._free_bytes + size <= pool_limit():
+        self._free.setdefault(size, []).append((when, block))
+        self._free_bytes += size
+    if self._free and self._timer is None:
+      self._timer = threading.Timer(IDLE_SECONDS, self._trim)
+      self._timer.daemon = True
+      self._timer.start()
+
+  def _trim(self) -> None:
+    """Drops the buffers unused for `IDLE_SECONDS`; runs again while any are left."""
+    cutoff = time.monotonic() - IDLE_SECONDS
+    with self._lock:
+      for size, blocks in list(self._free.items()):
+        kept = [b for b in blocks if b[0] > cutoff]
+        self._free_bytes -= size * (len(blocks) - len(kept))
+        if kept:
+          self._free[size] = kept
+        else:
+          del self._free[size]
+      self._timer = None
+      self._sort_returned()
+
+  def free_bytes(self) -> int:
+    """The bytes of the buffers the pool holds unused."""
+    with self._lock:
+      self._sort_returned()
+      return self._free_bytes
+
+  def clear(self) -> None:
+    """Returns every unused buffer to the system."""
+    with self._lock:
+      self._returned.clear()
+      self._free.clear()
+      self._free_bytes = 0
+
+
+POOL = _Pool()

@@ -46,13 +46,17 @@ def group_by_slice(
   return group_regions(sharding.addressable_devices_indices_map(shape), shape)
 
 
+def bounds(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+  """A numpy-style index as hashable `(start, stop)` pairs (slices hash only from Python 3.12)."""
+  return tuple((s.start, s.stop) for s in normalize(index, shape))
+
+
 def group_regions(index_map, shape: tuple[int, ...]) -> list[tuple[Region, list]]:
   """Devices grouped by the region of the array each holds (`index_map`: device -> index)."""
   groups: dict[tuple, list] = {}
   for device, index in index_map.items():
-    bounds = tuple((s.start, s.stop) for s in normalize(index, shape))
-    groups.setdefault(bounds, []).append(device)
-  return [(tuple(slice(*b) for b in bounds), devs) for bounds, devs in groups.items()]
+    groups.setdefault(bounds(index, shape), []).append(device)
+  return [(tuple(slice(*b) for b in where), devs) for where, devs in groups.items()]
 
 
 def sharding_problem(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from typing import Any
@@ -18,13 +19,14 @@ def reshard(tree: Any, shardings: Any, *, method: str = "auto") -> Any:
   """Moves every array of `tree` onto the matching sharding of `shardings`.
 
   On CPU, `method="auto"` copies each target shard out of the source shards in host
-  memory the first time a layout change is made: 3x-5x faster than `jax.device_put`,
-  which compiles its resharding then. Once device_put has compiled a change it may
-  win (XLA's copy reuses warm allocator memory), so when the same change comes again
-  `auto` times device_put on it (its second call, its first compiled one) against the
-  host copy's time and from then on takes the faster: a reshard repeated in a loop is
-  never left on the slower path. Elsewhere (GPU, TPU), and when the source lives
-  partly on other processes, XLA's collectives do the move.
+  memory the first time a layout change is made: faster than `jax.device_put`, which
+  compiles its resharding then. The copies land in buffers that a later reshard reuses
+  once these arrays are dropped. Once device_put has compiled a change it may win (with
+  many small arrays, its per-array cost is lower), so when the same change comes again
+  `auto` times both paths on it (the host copy twice, device_put three times) and from
+  then on takes the faster: a reshard repeated in a loop is never left on the slower
+  path. Elsewhere (GPU, TPU), and when the source lives partly on other processes, XLA's
+  collectives do the move.
 
   Example:
     >>> import jax, jax.numpy as jnp, ucp_jax
@@ -71,18 +73,26 @@ def _host_reshard(arrays: dict[str, jax.Array], targets: dict[str, Any]) -> dict
   return {k: finish() for k, finish in started.items()}
 
 
+_DEVICE_PUT_MARGIN = 0.9
+
+
 class _Auto:
   """`method="auto"` on CPU: the host copy or device_put, whichever a layout change runs faster.
 
-  Per change (the arrays' shapes, dtypes and both shardings): the first move is a host copy
-  (device_put would compile); the next three are device_put's: the first compiles, and the
-  next two are timed, the faster counting (XLA's allocator takes a call or two to warm up:
-  measured 0.78 s, 0.52 s, 0.21 s, 0.11 s for 1 GiB on 8 CPU devices); then the faster of
-  the two paths, for good. Timing blocks until the arrays are ready, which only the timed
-  calls do.
+  Per change (the arrays' shapes, dtypes and both shardings), the first five moves measure
+  both paths, the faster call of each counting: two host copies (the first pays for fresh
+  memory, the second reuses the first's buffers once they are dropped), then three
+  device_puts (the first compiles and is not timed; XLA's allocator takes a call or two
+  to warm up: measured 0.78 s, 0.52 s, 0.21 s, 0.11 s for 1 GiB on 8 CPU devices). Then
+  the faster of the two paths, for good: device_put when it took less than
+  `_DEVICE_PUT_MARGIN` of the host copy's time (a host copy's second call is still a little
+  slower than its later ones, and it compiles nothing and holds no warm XLA memory). Timing
+  blocks until the arrays are ready, which only the timed calls do.
   """
 
   _MAX_CHANGES = 256
+  _TRIALS = (("host", True), ("host", True), ("device_put", False))
+  _TRIALS += (("device_put", True), ("device_put", True))
 
   def __init__(self):
     self._seen: dict[Any, dict[str, Any]] = {}
@@ -99,16 +109,13 @@ class _Auto:
       if state is None:
         if len(self._seen) >= self._MAX_CHANGES:
           self._seen.clear()
-        state = self._seen[change] = {"calls": 0, "host": None, "device_put": None, "timed": 0}
-      # What is still unknown decides the path; a call that fails leaves it unknown.
-      if state["host"] is None:
-        path, timed = "host", True
-      elif state["calls"] == 1:
-        path, timed = "device_put", False  # compiles: untimed
-      elif state["timed"] < 2:
-        path, timed = "device_put", True
+        state = self._seen[change] = {"calls": 0, "host": None, "device_put": None}
+      # A call that fails is not counted: the trial is made again.
+      if state["calls"] < len(self._TRIALS):
+        path, timed = self._TRIALS[state["calls"]]
       else:
-        path = "device_put" if state["device_put"] < state["host"] else "host"
+        clearly_faster = state["device_put"] < _DEVICE_PUT_MARGIN * state["host"]
+        path = "device_put" if clearly_faster else "host"
         timed = False
     move = _host_reshard if path == "host" else _device_put
     if not timed:
@@ -122,7 +129,6 @@ class _Auto:
     with self._lock:
       state["calls"] += 1
       state[path] = seconds if state[path] is None else min(state[path], seconds)
-      state["timed"] += path == "device_put"
     return moved
 
   def known(self, arrays: dict[str, jax.Array], targets: dict[str, Any]) -> dict[str, Any]:
@@ -217,6 +223,7 @@ def _start_host_reshard(x: jax.Array, target: jax.sharding.Sharding):
   """
   if x.sharding == target:
     return lambda: x
+  shape = tuple(x.shape)
   if x.sharding.is_equivalent_to(target, x.ndim):  # same data per device: relabel only
     by_device = {s.device: s.data for s in x.addressable_shards}
     return lambda: jax.make_array_from_single_device_arrays(
@@ -224,33 +231,56 @@ def _start_host_reshard(x: jax.Array, target: jax.sharding.Sharding):
     )
   if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
     return lambda: jax.device_put(x, target)
-  shape = tuple(x.shape)
-  sources = [
-    (_regions.normalize(s.index, shape), s.data) for s in x.addressable_shards if s.replica_id == 0
-  ]
-  copies = [
-    (devices, _direct.submit(_assemble, index, sources, x.dtype))
-    for index, devices in _regions.group_by_slice(target, shape)
-  ]
+  plan = _copy_plan(x.sharding, target, shape, x.dtype.itemsize)
+  shards = {s.device: s.data for s in x.addressable_shards}
+  copies = [_direct.submit(_copy_group, group, shards, x.dtype) for group in plan]
 
   def finish() -> jax.Array:
-    buffers = {}
-    for devices, copy in copies:
-      host = copy.result()
-      for device in devices:
-        buffers[device] = _hostmem.to_device(host, device)
-    return jax.make_array_from_single_device_arrays(
-      shape, target, [buffers[d] for d in target.addressable_devices]
-    )
+    return _hostmem.adopt(shape, target, {k: v for c in copies for k, v in c.result()})
 
   return finish
 
 
-def _assemble(index: tuple[slice, ...], sources: list, dtype) -> np.ndarray:
-  """The region `index` of the global array, copied out of the source shards."""
-  out = _hostmem.aligned_empty(tuple(s.stop - s.start for s in index), dtype)
-  for src_index, data in sources:
-    part = _regions.overlap(index, src_index)
-    if part is not None:
-      out[_regions.relative(part, index)] = np.asarray(data)[_regions.relative(part, src_index)]
-  return out
+_TASK_BYTES = 8 << 20
+"""Target slices are copied by one task per this many bytes (one per slice above it)."""
+
+
+@functools.lru_cache(maxsize=512)
+def _copy_plan(source, target, shape: tuple, itemsize: int) -> tuple:
+  """The copies that build each target slice, in tasks of about `_TASK_BYTES` (a layout
+  change of many arrays of one shape is planned once): per task, per target slice, its
+  bounds, its shape, and (source device, index into its shard, index into the slice) per
+  source shard it takes from.
+  """
+  sources = [(region, devices[0]) for region, devices in _regions.group_by_slice(source, shape)]
+  tasks, task, task_size = [], [], 0
+  for region, _ in _regions.group_by_slice(target, shape):
+    parts = []
+    for src_region, device in sources:
+      part = _regions.overlap(region, src_region)
+      if part is not None:
+        parts.append((device, _regions.relative(part, src_region), _regions.relative(part, region)))
+    slice_shape = tuple(s.stop - s.start for s in region)
+    task.append((_regions.bounds(region, shape), slice_shape, tuple(parts)))
+    task_size += _regions.size(region) * itemsize
+    if task_size >= _TASK_BYTES:
+      tasks.append(tuple(task))
+      task, task_size = [], 0
+  if task:
+    tasks.append(tuple(task))
+  return tuple(tasks)
+
+
+def _copy_group(group: tuple, shards: dict, dtype) -> list[tuple[tuple, np.ndarray]]:
+  """(bounds, host buffer) of each target slice of `group`, copied out of the source shards."""
+  views: dict = {}
+  outs = []
+  for where, slice_shape, parts in group:
+    out = _hostmem.aligned_empty(slice_shape, dtype)
+    for device, src_index, dst_index in parts:
+      view = views.get(device)
+      if view is None:
+        view = views[device] = np.asarray(shards[device])
+      out[dst_index] = view[src_index]
+    outs.append((where, out))
+  return outs

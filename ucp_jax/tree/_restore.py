@@ -263,7 +263,7 @@ class _Reads:
         for f in futures:
           _zarr.wait_read(self._ckpt.location, want.key, f)
 
-    return want, list(hosts), devices, wait, nbytes
+    return want, indices, list(hosts), devices, wait, nbytes
 
   def _tasks(self, want: _Want):
     """(want, index, devices, nbytes) per distinct slice this process needs."""
@@ -285,13 +285,18 @@ class _Reads:
     return out, ts.array(out, copy=False, write=True).write(view).commit
 
   def _finish(self, item, pieces: dict[str, dict]) -> int:
-    want, hosts, devices_per_host, wait, nbytes = item
+    """Waits for a unit's reads; its slices go to accelerators now (freeing host memory), and
+    stay in host buffers that CPU devices adopt together when the array is built."""
+    want, indices, hosts, devices_per_host, wait, nbytes = item
     wait()
-    for host, devices in zip(hosts, devices_per_host):
+    data_shape = self._ckpt[want.key].shape
+    for index, host, devices in zip(indices, hosts, devices_per_host):
       if want.dtype is not None and not want.prng and host.dtype != want.dtype:
         host = host.astype(want.dtype)
       if devices is None:
         pieces[want.key][None] = host
+      elif _hostmem.adopts(want.sharding):
+        pieces[want.key][_regions.bounds(index, data_shape)] = host
       else:
         for device in devices:
           pieces[want.key][device] = _hostmem.to_device(host, device)
@@ -304,15 +309,16 @@ class _Reads:
     if want.as_ == "scalar":
       return want.python_type(pieces[None].item())
     shape = _logical_shape(info)
-    if not want.prng:
-      return jax.make_array_from_single_device_arrays(
-        shape, want.sharding, [pieces[d] for d in want.sharding.addressable_devices]
+    sharding = want.sharding
+    if want.prng:
+      shape, sharding = info.shape, _key_data_sharding(sharding, len(shape), len(info.shape))
+    if _hostmem.adopts(sharding):
+      data = _hostmem.adopt(shape, sharding, pieces)
+    else:
+      data = jax.make_array_from_single_device_arrays(
+        shape, sharding, [pieces[d] for d in sharding.addressable_devices]
       )
-    data_sharding = _key_data_sharding(want.sharding, len(shape), len(info.shape))
-    data = jax.make_array_from_single_device_arrays(
-      info.shape, data_sharding, [pieces[d] for d in want.sharding.addressable_devices]
-    )
-    return jax.random.wrap_key_data(data, impl=info.prng_impl)
+    return jax.random.wrap_key_data(data, impl=info.prng_impl) if want.prng else data
 
 
 def _key_data_sharding(

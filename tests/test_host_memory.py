@@ -1,0 +1,151 @@
+"""The host buffer pool: restored and resharded arrays reuse warm memory, and never share it."""
+
+import gc
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ucp_jax
+from ucp_jax.store import _hostmem
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def pool(monkeypatch):
+  fresh = _hostmem._Pool()
+  monkeypatch.setattr(_hostmem, "POOL", fresh)
+  yield fresh
+  fresh.clear()
+
+
+def _address(a: np.ndarray) -> int:
+  return a.__array_interface__["data"][0]
+
+
+def test_a_buffer_returns_when_its_last_view_goes_and_is_lent_again(pool):
+  a = _hostmem.aligned_empty((MiB,), np.float32)
+  view = a[10:20]
+  where = _address(a)
+  assert where % 64 == 0 and a.flags.c_contiguous and a.flags.writeable
+  del a
+  gc.collect()
+  assert pool.free_bytes() == 0  # `view` still holds it
+  b = _hostmem.aligned_empty((MiB,), np.float32)
+  assert _address(b) != where  # never lent twice while alive
+  del view
+  gc.collect()
+  assert pool.free_bytes() == 4 * MiB
+  c = _hostmem.aligned_empty((1024, 1024), np.float32)
+  assert _address(c) == where and pool.free_bytes() == 0
+  assert _address(b) != where
+
+
+def test_a_buffer_that_goes_while_the_pool_is_locked_comes_back_later(pool):
+  """As when an allocation under the pool's lock sets off a garbage collection that frees
+  an array: its buffer must not wait for the lock (a deadlock), nor be lost."""
+  a = _hostmem.aligned_empty((MiB,), np.uint8)
+  with pool._lock:
+    del a
+  assert pool.free_bytes() == MiB
+  assert _hostmem.aligned_empty((MiB,), np.uint8).size == MiB and pool.free_bytes() == 0
+
+
+def test_small_buffers_are_not_pooled(pool):
+  a = _hostmem.aligned_empty((1000,), np.float64)
+  assert _address(a) % 64 == 0
+  del a
+  gc.collect()
+  assert pool.free_bytes() == 0
+
+
+def test_the_pool_keeps_no_more_than_its_limit(pool, monkeypatch):
+  monkeypatch.setattr(_hostmem, "pool_limit", lambda: 3 * MiB)
+  held = [_hostmem.aligned_empty((MiB,), np.uint8) for _ in range(5)]
+  del held
+  gc.collect()
+  assert pool.free_bytes() == 3 * MiB
+
+
+def test_unused_buffers_go_back_to_the_system(pool, monkeypatch):
+  monkeypatch.setattr(_hostmem, "IDLE_SECONDS", 1.0)
+  a = _hostmem.aligned_empty((2 * MiB,), np.uint8)
+  del a
+  gc.collect()
+  assert pool.free_bytes() == 2 * MiB
+  deadline = time.monotonic() + 10
+  while pool.free_bytes() and time.monotonic() < deadline:
+    time.sleep(0.02)
+  assert pool.free_bytes() == 0
+
+
+def _state(seed: int, sharding) -> dict:
+  rng = np.random.default_rng(seed)
+  return {
+    f"w{i}": jax.device_put(rng.standard_normal((512, 1024), np.float32), sharding)
+    for i in range(3)
+  }
+
+
+def test_restores_reuse_freed_buffers_and_never_touch_live_results(pool, tmp_path):
+  devices = np.array(jax.devices())
+  fsdp = NamedSharding(Mesh(devices, ("x",)), P("x", None))
+  tp = NamedSharding(Mesh(devices.reshape(2, 4), ("data", "model")), P("data", "model"))
+  one, two = _state(1, fsdp), _state(2, fsdp)
+  ucp_jax.save(tmp_path / "one", one)
+  ucp_jax.save(tmp_path / "two", two)
+  expected_one = {k: np.asarray(v) for k, v in one.items()}
+  expected_two = {k: np.asarray(v) for k, v in two.items()}
+  target = {k: tp for k in one}  # 128x256 float32 slices: 128 KiB, under the pooled size
+  big = {k: NamedSharding(Mesh(devices[:2], ("x",)), P("x", None)) for k in one}  # 1 MiB
+
+  kept = ucp_jax.restore(tmp_path / "one", big)
+  gc.collect()
+  assert pool.free_bytes() == 0
+  dropped = ucp_jax.restore(tmp_path / "two", big)
+  del dropped
+  gc.collect()
+  assert pool.free_bytes() == 6 * MiB  # 3 arrays x 2 slices of 1 MiB, back once dropped
+
+  @jax.jit
+  def step(x):
+    return jax.tree.map(lambda a: a * 2 + 1, x)
+
+  stepped = jax.jit(step.__wrapped__, donate_argnums=0)(ucp_jax.restore(tmp_path / "one", big))
+  again = ucp_jax.restore(tmp_path / "two", big)
+  resharded = ucp_jax.reshard(again, {k: fsdp for k in one})
+  del again
+  gc.collect()
+  small = ucp_jax.restore(tmp_path / "two", target)
+  for _ in range(2):  # every reuse of the freed buffers leaves live results as they were
+    later = ucp_jax.restore(tmp_path / "one", big)
+    for k in one:
+      np.testing.assert_array_equal(np.asarray(kept[k]), expected_one[k])
+      np.testing.assert_array_equal(np.asarray(stepped[k]), expected_one[k] * 2 + 1)
+      np.testing.assert_array_equal(np.asarray(resharded[k]), expected_two[k])
+      np.testing.assert_array_equal(np.asarray(small[k]), expected_two[k])
+      np.testing.assert_array_equal(np.asarray(later[k]), expected_one[k])
+    del later
+    gc.collect()
+
+
+def test_reshards_reuse_freed_buffers(pool):
+  devices = np.array(jax.devices())
+  fsdp = NamedSharding(Mesh(devices, ("x",)), P("x", None))
+  tp = NamedSharding(Mesh(devices.reshape(2, 4), ("data", "model")), P("data", "model"))
+  state = {
+    "w": jax.device_put(jnp.arange(2048 * 1024, dtype=jnp.float32).reshape(2048, 1024), fsdp)
+  }
+  first = ucp_jax.reshard(state, {"w": tp}, method="host")
+  addresses = {s.data.unsafe_buffer_pointer() for s in first["w"].addressable_shards}
+  del first
+  gc.collect()
+  assert pool.free_bytes() == 8 * MiB
+  second = ucp_jax.reshard(state, {"w": tp}, method="host")
+  assert {s.data.unsafe_buffer_pointer() for s in second["w"].addressable_shards} == addresses
+  np.testing.assert_array_equal(np.asarray(second["w"]), np.asarray(state["w"]))
