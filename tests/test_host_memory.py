@@ -56,6 +56,17 @@ def test_a_buffer_that_goes_while_the_pool_is_locked_comes_back_later(pool):
   assert _hostmem.aligned_empty((MiB,), np.uint8).size == MiB and pool.free_bytes() == 0
 
 
+def test_a_forked_child_gets_a_working_pool(pool):
+  """fork copies a lock that another thread may hold, and no timer thread: the child resets."""
+  pool._lock.acquire()
+  pool._timer = object()  # the parent's timer thread, absent in the child
+  pool._after_fork()
+  a = _hostmem.aligned_empty((MiB,), np.uint8)
+  del a
+  gc.collect()
+  assert pool.free_bytes() == MiB and pool._timer is not None
+
+
 def test_small_buffers_are_not_pooled(pool):
   a = _hostmem.aligned_empty((1000,), np.float64)
   assert _address(a) % 64 == 0

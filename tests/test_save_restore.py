@@ -369,7 +369,8 @@ def test_reshard_auto_settles_on_the_faster_path(monkeypatch, faster, slow, colu
   path = "_host_reshard" if faster == "host" else "_device_put"
   assert used == [*["_host_reshard"] * 2, *["_device_put"] * 3, path, path]
   known = _reshard._AUTO.known({"w": x}, {"w": dst})
-  assert known["calls"] == 7 and {k: known[k] for k in slow} == pytest.approx(slow)
+  assert known["calls"] == 5 and {k: known[k] for k in slow} == pytest.approx(slow)
+  assert known["path"] == faster
 
 
 def test_reshard_auto_survives_a_failed_move(monkeypatch):
@@ -393,7 +394,7 @@ def test_reshard_auto_survives_a_failed_move(monkeypatch):
     out = ucp_jax.reshard({"w": x}, {"w": dst})["w"]
     np.testing.assert_array_equal(np.asarray(out), np.asarray(x))
   known = _reshard._AUTO.known({"w": x}, {"w": dst})
-  assert known["calls"] == 7 and known["host"] is not None and known["device_put"] is not None
+  assert known["calls"] == 5 and known["host"] is not None and known["device_put"] is not None
 
 
 def test_reshard_keys_and_one_sharding_for_all():

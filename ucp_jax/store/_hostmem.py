@@ -166,5 +166,12 @@ class _Pool:
       self._free.clear()
       self._free_bytes = 0
 
+  def _after_fork(self) -> None:
+    """In a forked child: no idle timer runs there, and the lock may have been held."""
+    self._lock = threading.Lock()
+    self._timer = None
+
 
 POOL = _Pool()
+if hasattr(os, "register_at_fork"):
+  os.register_at_fork(after_in_child=lambda: POOL._after_fork())

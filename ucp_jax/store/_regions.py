@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING
 
@@ -61,6 +62,13 @@ def group_regions(index_map, shape: tuple[int, ...]) -> list[tuple[Region, list]
 
 def sharding_problem(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> str | None:
   """Why `sharding` cannot lay out an array of `shape`, or None when it can."""
+  try:
+    return _cached_sharding_problem(sharding, tuple(shape))
+  except TypeError:  # an unhashable sharding
+    return _sharding_problem(sharding, tuple(shape))
+
+
+def _sharding_problem(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> str | None:
   spec = getattr(sharding, "spec", None)
   if spec is not None:
     where = f"{spec} on mesh {dict(sharding.mesh.shape)}"
@@ -77,3 +85,6 @@ def sharding_problem(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) ->
   except (ValueError, TypeError, IndexError) as e:
     return f"{sharding} cannot shard shape {shape}: {e}"
   return None
+
+
+_cached_sharding_problem = functools.lru_cache(maxsize=4096)(_sharding_problem)

@@ -53,19 +53,17 @@ def reshard(tree: Any, shardings: Any, *, method: str = "auto") -> Any:
   arrays = {k: x for k, x in flat.items() if k not in numbers}
   targets = _target_shardings(arrays, shardings, numbers)
   _check(arrays, targets)
-  problems = (
-    [] if method == "device_put" else _host_copy_problems(arrays, targets, method == "auto")
-  )
-  if method == "host" and problems:
+  if method == "device_put":
+    return unflatten({**numbers, **_device_put(arrays, targets)})
+  if method == "auto":
+    return unflatten({**numbers, **_AUTO.move(arrays, targets)})
+  problems = _host_copy_problems(arrays, targets)
+  if problems:
     raise ValueError(
       "method='host' copies in this process's memory, which cannot move these arrays "
       "(use method='auto' or 'device_put'):\n" + _errors.bullet_list(problems)
     )
-  if method == "device_put" or problems:
-    return unflatten({**numbers, **_device_put(arrays, targets)})
-  if method == "host":
-    return unflatten({**numbers, **_host_reshard(arrays, targets)})
-  return unflatten({**numbers, **_AUTO.move(arrays, targets)})
+  return unflatten({**numbers, **_host_reshard(arrays, targets)})
 
 
 def _host_reshard(arrays: dict[str, jax.Array], targets: dict[str, Any]) -> dict[str, jax.Array]:
@@ -105,30 +103,37 @@ class _Auto:
   def move(self, arrays: dict[str, jax.Array], targets: dict[str, Any]) -> dict[str, jax.Array]:
     change = self._change(arrays, targets)
     with self._lock:
+      path = self._seen.get(change, {}).get("path")
+    if path == "device_put" or (path is None and _host_copy_problems(arrays, targets, True)):
+      return _device_put(arrays, targets)
+    if path == "host":
+      return _host_reshard(arrays, targets)
+    return self._trial(change, arrays, targets)
+
+  def _trial(self, change: tuple, arrays: dict, targets: dict) -> dict[str, jax.Array]:
+    """The next of `_TRIALS` for `change`; after the last, its path is settled."""
+    with self._lock:
       state = self._seen.get(change)
       if state is None:
         if len(self._seen) >= self._MAX_CHANGES:
           self._seen.clear()
         state = self._seen[change] = {"calls": 0, "host": None, "device_put": None}
       # A call that fails is not counted: the trial is made again.
-      if state["calls"] < len(self._TRIALS):
-        path, timed = self._TRIALS[state["calls"]]
-      else:
-        clearly_faster = state["device_put"] < _DEVICE_PUT_MARGIN * state["host"]
-        path = "device_put" if clearly_faster else "host"
-        timed = False
+      path, timed = self._TRIALS[min(state["calls"], len(self._TRIALS) - 1)]
     move = _host_reshard if path == "host" else _device_put
-    if not timed:
+    if timed:
+      start = time.perf_counter()
+      moved = jax.block_until_ready(move(arrays, targets))
+      seconds = time.perf_counter() - start
+    else:
       moved = move(arrays, targets)
-      with self._lock:
-        state["calls"] += 1
-      return moved
-    start = time.perf_counter()
-    moved = jax.block_until_ready(move(arrays, targets))
-    seconds = time.perf_counter() - start
     with self._lock:
       state["calls"] += 1
-      state[path] = seconds if state[path] is None else min(state[path], seconds)
+      if timed:
+        state[path] = seconds if state[path] is None else min(state[path], seconds)
+      if state["calls"] >= len(self._TRIALS) and "path" not in state:
+        clearly_faster = state["device_put"] < _DEVICE_PUT_MARGIN * state["host"]
+        state["path"] = "device_put" if clearly_faster else "host"
     return moved
 
   def known(self, arrays: dict[str, jax.Array], targets: dict[str, Any]) -> dict[str, Any]:
