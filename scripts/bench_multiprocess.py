@@ -6,8 +6,10 @@ process builds its own shards of the same state (`--arrays` float32 arrays, `--m
 all, sharded over the 8 devices), then, timed between barriers: a durable `ucp_jax.save`
 (each process writes its shards, process 0 commits), and a `restore` onto another mesh.
 Runs are interleaved over `--rounds` rounds. Reported: median and range of the save and
-restore wall times (the slowest process), aggregate and per-process throughput, and the
-efficiency against one process (aggregate throughput with N / with 1). Beside them the bound:
+restore wall times (the slowest process), aggregate and per-process throughput, the
+efficiency against one process (aggregate throughput with N / with 1), and the CPU time the
+restore took in all processes together (a chunk that feeds devices of several processes is
+read and checksummed by each). Beside them the bound:
 numpy writing and fsyncing the same bytes in 64 MiB files, and reading them back from the
 page cache.
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import socket
 import statistics
@@ -71,14 +74,21 @@ def worker(args) -> None:
   ucp_jax.save(path, state, overwrite=True)
   t1 = time.perf_counter()
   barrier("saved")
-  t2 = time.perf_counter()
+  t2, cpu0 = time.perf_counter(), _cpu_seconds()
   restored = ucp_jax.restore(path, wanted)
   jax.block_until_ready(restored)
-  t3 = time.perf_counter()
+  t3, cpu1 = time.perf_counter(), _cpu_seconds()
   shard = restored["w3"].addressable_shards[0]
   assert np.all(np.asarray(shard.data) == 3), "restored the wrong values"
   barrier("done")
-  print("RESULT", json.dumps({"save": t1 - t0, "restore": t3 - t2}), flush=True)
+  result = {"save": t1 - t0, "restore": t3 - t2, "restore_cpu": cpu1 - cpu0}
+  print("RESULT", json.dumps(result), flush=True)
+
+
+def _cpu_seconds() -> float:
+  """User + system CPU time of this process, all its threads."""
+  usage = resource.getrusage(resource.RUSAGE_SELF)
+  return usage.ru_utime + usage.ru_stime
 
 
 def run(processes: int, args) -> dict:
@@ -104,7 +114,8 @@ def run(processes: int, args) -> dict:
     if proc.returncode:
       raise SystemExit(f"a worker failed:\n{out[-3000:]}")
     results.append(json.loads(out.split("RESULT ", 1)[1].splitlines()[0]))
-  return {phase: max(r[phase] for r in results) for phase in ("save", "restore")}
+  slowest = {phase: max(r[phase] for r in results) for phase in ("save", "restore")}
+  return {**slowest, "restore_cpu": sum(r["restore_cpu"] for r in results)}
 
 
 def bound(nbytes: int, folder: str) -> tuple[float, float]:
@@ -167,6 +178,7 @@ def main() -> int:
         f"{nbytes / n / median / 2**30:.2f}",
         f"{base[phase] / median:.0%}",
       ]
+    row.append(f"{statistics.median(r['restore_cpu'] for r in times[n]):.2f}")
     rows.append(row)
   print()
   print(
@@ -174,7 +186,7 @@ def main() -> int:
     f"another mesh; median (range) of {args.rounds} interleaved rounds on {os.cpu_count()} cores"
   )
   headers = ["processes", "save s", "GiB/s", "GiB/s/proc", "vs 1", "restore s", "GiB/s"]
-  print(bu.table([*headers, "GiB/s/proc", "vs 1"], rows))
+  print(bu.table([*headers, "GiB/s/proc", "vs 1", "restore CPU s"], rows))
   write = statistics.median(b[0] for b in bounds)
   read = statistics.median(b[1] for b in bounds)
   print(
