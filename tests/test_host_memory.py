@@ -83,6 +83,36 @@ def test_the_pool_keeps_no_more_than_its_limit(pool, monkeypatch):
   assert pool.free_bytes() == 3 * MiB
 
 
+def test_a_request_of_another_size_releases_the_unused_buffers(pool):
+  held = [_hostmem.aligned_empty((MiB,), np.uint8), _hostmem.aligned_empty((2 * MiB,), np.uint8)]
+  del held
+  gc.collect()
+  assert pool.free_bytes() == 3 * MiB
+  kept = _hostmem.aligned_empty((2 * MiB,), np.uint8)  # a hit leaves the others
+  assert pool.free_bytes() == MiB
+  other = _hostmem.aligned_empty((3 * MiB,), np.uint8)  # a miss releases them
+  assert pool.free_bytes() == 0
+  del kept, other
+
+
+def test_the_limit_follows_a_cgroup_below_physical_memory(monkeypatch, tmp_path):
+  _hostmem._memory_bytes.cache_clear()
+  limit = tmp_path / "memory.max"
+  limit.write_text("1073741824\n")
+  real_open = open
+  monkeypatch.setattr(
+    "builtins.open",
+    lambda path, *a, **k: real_open(
+      limit if path == "/sys/fs/cgroup/memory.max" else path, *a, **k
+    ),
+  )
+  try:
+    assert _hostmem.pool_limit() == 256 * MiB
+  finally:
+    monkeypatch.undo()
+    _hostmem._memory_bytes.cache_clear()
+
+
 def test_unused_buffers_go_back_to_the_system(pool, monkeypatch):
   monkeypatch.setattr(_hostmem, "IDLE_SECONDS", 1.0)
   a = _hostmem.aligned_empty((2 * MiB,), np.uint8)

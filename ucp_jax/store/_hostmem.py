@@ -6,13 +6,15 @@ from the page cache into fresh memory takes 1.3-1.4x as long as into touched mem
 large buffers come from a pool: when the last array over a buffer goes (the device
 releases an adopted buffer, or the caller drops a numpy result), the buffer goes back to
 the pool, and the next request of the same size gets it with its pages still mapped.
-Buffers left unused for `IDLE_SECONDS` are returned to the system, and the pool never keeps
-more than `pool_limit()` bytes unused.
+Buffers left unused for `IDLE_SECONDS` are returned to the system, and so are all unused
+ones when a request finds none of its size (another workload, whose peak they would only
+raise); the pool never keeps more than `pool_limit()` bytes unused.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import mmap
 import os
 import threading
@@ -80,11 +82,26 @@ def adopt(
 
 
 def pool_limit() -> int:
-  """The most unused bytes the pool keeps: a quarter of physical memory."""
+  """The most unused bytes the pool keeps: a quarter of the memory this process may use
+  (physical memory, or a container's cgroup limit where that is lower)."""
+  return _memory_bytes() // 4
+
+
+@functools.lru_cache(maxsize=1)
+def _memory_bytes() -> int:
   try:
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
   except (ValueError, OSError):
-    return 1 << 30
+    total = 4 << 30
+  for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+    try:
+      with open(path) as f:
+        limit = f.read().strip()
+    except OSError:
+      continue
+    if limit.isdigit():
+      total = min(total, int(limit))
+  return total
 
 
 class _Pool:
@@ -110,7 +127,10 @@ class _Pool:
       block = blocks.pop()[1] if blocks else None
       if block is not None:
         self._free_bytes -= size
+      else:  # another workload: unused buffers of other sizes would only add to its peak
+        unused, self._free, self._free_bytes = self._free, {}, 0
     if block is None:
+      del unused  # unmapped here, outside the lock
       block = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
       if size >= _HUGE_ADVICE_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
         block.madvise(mmap.MADV_HUGEPAGE)  # as numpy does for its large arrays
