@@ -1,6 +1,12 @@
 """The host buffer pool: restored and resharded arrays reuse warm memory, and never share it."""
 
+import errno
 import gc
+import mmap
+import subprocess
+import sys
+import textwrap
+import threading
 import time
 
 import jax
@@ -48,12 +54,55 @@ def test_a_buffer_returns_when_its_last_view_goes_and_is_lent_again(pool):
 
 def test_a_buffer_that_goes_while_the_pool_is_locked_comes_back_later(pool):
   """As when an allocation under the pool's lock sets off a garbage collection that frees
-  an array: its buffer must not wait for the lock (a deadlock), nor be lost."""
+  an array: its buffer must not wait for the lock (a deadlock), nor be lost, nor wait for
+  the pool's next use: the lock's holder files it on leaving."""
   a = _hostmem.aligned_empty((MiB,), np.uint8)
-  with pool._lock:
+  with pool._held():
     del a
-  assert pool.free_bytes() == MiB
+    assert pool._free_bytes == 0 and len(pool._returned) == 1
+  assert not pool._returned and pool._free_bytes == MiB and pool._timer is not None
   assert _hostmem.aligned_empty((MiB,), np.uint8).size == MiB and pool.free_bytes() == 0
+
+
+def test_buffers_of_arrays_alive_at_exit_are_not_lent_again(tmp_path):
+  """At exit, a handler registered before the first pooled buffer runs after weakref's own
+  exit hook: buffers of arrays still alive must not be in the pool for it to lend."""
+  script = tmp_path / "exit.py"
+  script.write_text(
+    textwrap.dedent(
+      """
+      import atexit
+      import numpy as np
+      from ucp_jax.store import _hostmem
+
+      @atexit.register
+      def last_step():
+        again = [_hostmem.aligned_empty((MiB,), np.uint8) for _ in range(2)]
+        lent = {b.ctypes.data for b in again} & {kept.ctypes.data}
+        for b in again:
+          b[...] = 0
+        print("free", _hostmem.POOL.free_bytes(), "lent", bool(lent), "intact", bool(kept.all()))
+
+      MiB = 1 << 20
+      kept = _hostmem.aligned_empty((MiB,), np.uint8)
+      kept[...] = 1
+      """
+    )
+  )
+  out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True)
+  assert out.stdout.split() == ["free", "0", "lent", "False", "intact", "True"], out
+  assert "Traceback" not in out.stderr, out.stderr
+
+
+def test_a_kernel_without_huge_pages_still_lends_buffers(pool, monkeypatch):
+  class NoHugePages(mmap.mmap):
+    def madvise(self, *args):
+      raise OSError(errno.EINVAL, "Invalid argument")  # a kernel without THP
+
+  monkeypatch.setattr(mmap, "mmap", NoHugePages)
+  a = _hostmem.aligned_empty((8 * MiB,), np.uint8)
+  a[...] = 7
+  assert a.sum() == 7 * 8 * MiB
 
 
 def test_a_forked_child_gets_a_working_pool(pool):
@@ -165,12 +214,12 @@ def test_restores_reuse_freed_buffers_and_never_touch_live_results(pool, tmp_pat
   small = ucp_jax.restore(tmp_path / "two", target)
   for _ in range(2):  # every reuse of the freed buffers leaves live results as they were
     later = ucp_jax.restore(tmp_path / "one", big)
-    for k in one:
-      np.testing.assert_array_equal(np.asarray(kept[k]), expected_one[k])
-      np.testing.assert_array_equal(np.asarray(stepped[k]), expected_one[k] * 2 + 1)
-      np.testing.assert_array_equal(np.asarray(resharded[k]), expected_two[k])
-      np.testing.assert_array_equal(np.asarray(small[k]), expected_two[k])
-      np.testing.assert_array_equal(np.asarray(later[k]), expected_one[k])
+    for k in one:  # `+ 0` reads the device buffers (np.asarray caches a host copy)
+      np.testing.assert_array_equal(np.asarray(kept[k] + 0), expected_one[k])
+      np.testing.assert_array_equal(np.asarray(stepped[k] + 0), expected_one[k] * 2 + 1)
+      np.testing.assert_array_equal(np.asarray(resharded[k] + 0), expected_two[k])
+      np.testing.assert_array_equal(np.asarray(small[k] + 0), expected_two[k])
+      np.testing.assert_array_equal(np.asarray(later[k] + 0), expected_one[k])
     del later
     gc.collect()
 
@@ -190,3 +239,42 @@ def test_reshards_reuse_freed_buffers(pool):
   second = ucp_jax.reshard(state, {"w": tp}, method="host")
   assert {s.data.unsafe_buffer_pointer() for s in second["w"].addressable_shards} == addresses
   np.testing.assert_array_equal(np.asarray(second["w"]), np.asarray(state["w"]))
+
+
+def test_reshard_auto_from_several_threads_at_once():
+  """Threads that start a new layout change together all run its first trial; the path is
+  settled only once both are measured."""
+  devices = np.array(jax.devices())
+  fsdp = NamedSharding(Mesh(devices, ("x",)), P("x", None))
+  tp = NamedSharding(Mesh(devices.reshape(2, 4), ("a", "b")), P("b", "a"))
+  x = {"w": jax.device_put(jnp.arange(512 * 768, dtype=jnp.float32).reshape(512, 768), fsdp)}
+  barrier, errors = threading.Barrier(6), []
+
+  def run():
+    barrier.wait()
+    try:
+      for _ in range(3):
+        np.testing.assert_array_equal(np.asarray(ucp_jax.reshard(x, {"w": tp})["w"] + 0), x["w"])
+    except Exception as e:
+      errors.append(repr(e))
+
+  threads = [threading.Thread(target=run) for _ in range(6)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert not errors
+  from ucp_jax.tree import _reshard
+
+  known = _reshard._AUTO.known(x, {"w": tp})
+  assert known["host"] is not None and known["device_put"] is not None
+  assert known["path"] in ("host", "device_put")
+
+
+def test_reshard_of_replicated_keys():
+  devices = np.array(jax.devices())
+  replicated = NamedSharding(Mesh(devices, ("x",)), P())
+  keys = jax.device_put(jax.random.split(jax.random.key(1), 16), replicated)
+  for method in ("host", "auto"):
+    out = ucp_jax.reshard({"k": keys}, {"k": replicated}, method=method)["k"]
+    np.testing.assert_array_equal(jax.random.key_data(out), jax.random.key_data(keys))

@@ -14,6 +14,7 @@ raise); the pool never keeps more than `pool_limit()` bytes unused.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import mmap
 import os
@@ -121,7 +122,7 @@ class _Pool:
 
   def take(self, nbytes: int) -> np.ndarray:
     size = -(-nbytes // _PAGE) * _PAGE
-    with self._lock:
+    with self._held():
       self._sort_returned()
       blocks = self._free.get(size)
       block = blocks.pop()[1] if blocks else None
@@ -133,18 +134,33 @@ class _Pool:
       del unused  # unmapped here, outside the lock
       block = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
       if size >= _HUGE_ADVICE_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
-        block.madvise(mmap.MADV_HUGEPAGE)  # as numpy does for its large arrays
+        # as numpy does for its large arrays; a kernel without huge pages refuses (EINVAL)
+        with contextlib.suppress(OSError):
+          block.madvise(mmap.MADV_HUGEPAGE)
     lease = np.frombuffer(block, np.uint8, nbytes)  # every view of it keeps it alive
-    weakref.finalize(lease, self._give_back, size, block)
+    # Not at exit: arrays still alive then may still be read (by atexit handlers, daemon
+    # threads), so their buffers must not be lent again.
+    weakref.finalize(lease, self._give_back, size, block).atexit = False
     return lease
 
   def _give_back(self, size: int, block: mmap.mmap) -> None:
     self._returned.append((size, block, time.monotonic()))
-    if self._lock.acquire(blocking=False):  # else its holder sorts it
+    self._sort_stragglers()
+
+  def _sort_stragglers(self) -> None:
+    """Sorts the buffers that came back, unless the lock is held: its holder then sorts them
+    (every holder looks again after releasing it, see `_held`)."""
+    while self._returned and self._lock.acquire(blocking=False):
       try:
         self._sort_returned()
       finally:
         self._lock.release()
+
+  @contextlib.contextmanager
+  def _held(self):
+    with self._lock:
+      yield
+    self._sort_stragglers()  # any that came back after this holder sorted
 
   def _sort_returned(self) -> None:
     """(Lock held.) Files the buffers that came back, within the limit (the rest are
@@ -155,14 +171,18 @@ class _Pool:
         self._free.setdefault(size, []).append((when, block))
         self._free_bytes += size
     if self._free and self._timer is None:
-      self._timer = threading.Timer(IDLE_SECONDS, self._trim)
-      self._timer.daemon = True
-      self._timer.start()
+      timer = threading.Timer(IDLE_SECONDS, self._trim)
+      timer.daemon = True
+      try:
+        timer.start()
+      except RuntimeError:  # no new threads (the interpreter is shutting down)
+        return
+      self._timer = timer
 
   def _trim(self) -> None:
     """Drops the buffers unused for `IDLE_SECONDS`; runs again while any are left."""
     cutoff = time.monotonic() - IDLE_SECONDS
-    with self._lock:
+    with self._held():
       for size, blocks in list(self._free.items()):
         kept = [b for b in blocks if b[0] > cutoff]
         self._free_bytes -= size * (len(blocks) - len(kept))
@@ -175,13 +195,13 @@ class _Pool:
 
   def free_bytes(self) -> int:
     """The bytes of the buffers the pool holds unused."""
-    with self._lock:
+    with self._held():
       self._sort_returned()
       return self._free_bytes
 
   def clear(self) -> None:
     """Returns every unused buffer to the system."""
-    with self._lock:
+    with self._held():
       self._returned.clear()
       self._free.clear()
       self._free_bytes = 0

@@ -89,8 +89,6 @@ class _Auto:
   """
 
   _MAX_CHANGES = 256
-  _TRIALS = (("host", True), ("host", True), ("device_put", False))
-  _TRIALS += (("device_put", True), ("device_put", True))
 
   def __init__(self):
     self._seen: dict[Any, dict[str, Any]] = {}
@@ -110,16 +108,30 @@ class _Auto:
       return _host_reshard(arrays, targets)
     return self._trial(change, arrays, targets)
 
+  @staticmethod
+  def _next_trial(state: dict) -> tuple[str, bool] | None:
+    """(path, timed) of the next trial, from what is still unmeasured (calls made at once
+    by several threads may run the same one); None once both paths are measured."""
+    if state["host_runs"] < 2 or state["host"] is None:
+      return "host", True
+    if state["device_put_runs"] == 0:
+      return "device_put", False  # compiles
+    if state["device_put_runs"] < 3 or state["device_put"] is None:
+      return "device_put", True
+    return None
+
   def _trial(self, change: tuple, arrays: dict, targets: dict) -> dict[str, jax.Array]:
-    """The next of `_TRIALS` for `change`; after the last, its path is settled."""
+    """The next trial for `change`; after the last, its path is settled. A call that fails
+    is not counted: the trial is made again."""
     with self._lock:
       state = self._seen.get(change)
       if state is None:
         if len(self._seen) >= self._MAX_CHANGES:
           self._seen.clear()
-        state = self._seen[change] = {"calls": 0, "host": None, "device_put": None}
-      # A call that fails is not counted: the trial is made again.
-      path, timed = self._TRIALS[min(state["calls"], len(self._TRIALS) - 1)]
+        state = self._seen[change] = {
+          "calls": 0, "host": None, "device_put": None, "host_runs": 0, "device_put_runs": 0
+        }  # fmt: skip
+      path, timed = self._next_trial(state) or (state["path"], False)
     move = _host_reshard if path == "host" else _device_put
     if timed:
       start = time.perf_counter()
@@ -129,9 +141,10 @@ class _Auto:
       moved = move(arrays, targets)
     with self._lock:
       state["calls"] += 1
+      state[f"{path}_runs"] += 1
       if timed:
         state[path] = seconds if state[path] is None else min(state[path], seconds)
-      if state["calls"] >= len(self._TRIALS) and "path" not in state:
+      if "path" not in state and self._next_trial(state) is None:
         clearly_faster = state["device_put"] < _DEVICE_PUT_MARGIN * state["host"]
         state["path"] = "device_put" if clearly_faster else "host"
     return moved
@@ -229,13 +242,13 @@ def _start_host_reshard(x: jax.Array, target: jax.sharding.Sharding):
   if x.sharding == target:
     return lambda: x
   shape = tuple(x.shape)
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # its shards' data is key data
+    return lambda: jax.device_put(x, target)
   if x.sharding.is_equivalent_to(target, x.ndim):  # same data per device: relabel only
     by_device = {s.device: s.data for s in x.addressable_shards}
     return lambda: jax.make_array_from_single_device_arrays(
       x.shape, target, [by_device[d] for d in target.addressable_devices]
     )
-  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-    return lambda: jax.device_put(x, target)
   plan = _copy_plan(x.sharding, target, shape, x.dtype.itemsize)
   shards = {s.device: s.data for s in x.addressable_shards}
   copies = [_direct.submit(_copy_group, group, shards, x.dtype) for group in plan]
