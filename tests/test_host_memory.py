@@ -278,3 +278,17 @@ def test_reshard_of_replicated_keys():
   for method in ("host", "auto"):
     out = ucp_jax.reshard({"k": keys}, {"k": replicated}, method=method)["k"]
     np.testing.assert_array_equal(jax.random.key_data(out), jax.random.key_data(keys))
+
+
+def test_plans_are_cached_for_hashable_arguments_and_computed_for_others():
+  from ucp_jax.store import _regions
+
+  calls = []
+
+  @_regions.cached_when_hashable(maxsize=4)
+  def plan(sharding, shape):
+    calls.append(shape)
+    return len(sharding)
+
+  assert plan((1, 2), (3,)) == plan((1, 2), (3,)) == 2 and len(calls) == 1
+  assert plan([1, 2, 3], (3,)) == plan([1, 2, 3], (3,)) == 3 and len(calls) == 3  # unhashable

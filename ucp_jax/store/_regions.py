@@ -60,15 +60,29 @@ def group_regions(index_map, shape: tuple[int, ...]) -> list[tuple[Region, list]
   return [(tuple(slice(*b) for b in where), devs) for where, devs in groups.items()]
 
 
+def cached_when_hashable(maxsize: int):
+  """`functools.lru_cache`, except for calls with an unhashable argument (a custom
+  sharding), which are computed each time."""
+
+  def wrap(fn):
+    cached = functools.lru_cache(maxsize=maxsize)(fn)
+
+    @functools.wraps(fn)
+    def call(*args):
+      try:
+        hash(args)
+      except TypeError:
+        return fn(*args)
+      return cached(*args)
+
+    return call
+
+  return wrap
+
+
+@cached_when_hashable(maxsize=4096)
 def sharding_problem(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> str | None:
   """Why `sharding` cannot lay out an array of `shape`, or None when it can."""
-  try:
-    return _cached_sharding_problem(sharding, tuple(shape))
-  except TypeError:  # an unhashable sharding
-    return _sharding_problem(sharding, tuple(shape))
-
-
-def _sharding_problem(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> str | None:
   spec = getattr(sharding, "spec", None)
   if spec is not None:
     where = f"{spec} on mesh {dict(sharding.mesh.shape)}"
@@ -85,6 +99,3 @@ def _sharding_problem(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -
   except (ValueError, TypeError, IndexError) as e:
     return f"{sharding} cannot shard shape {shape}: {e}"
   return None
-
-
-_cached_sharding_problem = functools.lru_cache(maxsize=4096)(_sharding_problem)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from typing import Any
@@ -263,7 +262,7 @@ _TASK_BYTES = 8 << 20
 """Target slices are copied by one task per this many bytes (one per slice above it)."""
 
 
-@functools.lru_cache(maxsize=512)
+@_regions.cached_when_hashable(maxsize=512)
 def _copy_plan(source, target, shape: tuple, itemsize: int) -> tuple:
   """The copies that build each target slice, in tasks of about `_TASK_BYTES` (a layout
   change of many arrays of one shape is planned once): per task, per target slice, its
