@@ -42,22 +42,25 @@ def relative(region: Region, origin: Region) -> tuple:
 
 def group_by_slice(
   sharding: jax.sharding.Sharding, shape: tuple[int, ...]
-) -> list[tuple[Region, list[jax.Device]]]:
-  """This process's devices of `sharding`, grouped by the region of the array each holds."""
-  return group_regions(sharding.addressable_devices_indices_map(shape), shape)
+) -> tuple[tuple[Region, tuple[jax.Device, ...]], ...]:
+  """This process's devices of `sharding`, grouped by the region of the array each holds
+  (computed once per sharding and shape: a state's arrays share a few)."""
+  return _group_by_slice(sharding, tuple(shape))
 
 
 def bounds(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
   """A numpy-style index as hashable `(start, stop)` pairs (slices hash only from Python 3.12)."""
+  if len(index) == len(shape):
+    return tuple(s.indices(d)[:2] for s, d in zip(index, shape))
   return tuple((s.start, s.stop) for s in normalize(index, shape))
 
 
-def group_regions(index_map, shape: tuple[int, ...]) -> list[tuple[Region, list]]:
+def group_regions(index_map, shape: tuple[int, ...]) -> tuple[tuple[Region, tuple], ...]:
   """Devices grouped by the region of the array each holds (`index_map`: device -> index)."""
   groups: dict[tuple, list] = {}
   for device, index in index_map.items():
     groups.setdefault(bounds(index, shape), []).append(device)
-  return [(tuple(slice(*b) for b in where), devs) for where, devs in groups.items()]
+  return tuple((tuple(slice(*b) for b in where), tuple(devs)) for where, devs in groups.items())
 
 
 def cached_when_hashable(maxsize: int):
@@ -99,3 +102,8 @@ def sharding_problem(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) ->
   except (ValueError, TypeError, IndexError) as e:
     return f"{sharding} cannot shard shape {shape}: {e}"
   return None
+
+
+@cached_when_hashable(maxsize=1024)
+def _group_by_slice(sharding, shape: tuple[int, ...]) -> tuple:
+  return group_regions(sharding.addressable_devices_indices_map(shape), shape)

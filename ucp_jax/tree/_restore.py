@@ -274,7 +274,7 @@ class _Reads:
       return
     by_slice = _regions.group_by_slice(want.sharding, _logical_shape(info))
     for index, devices in by_slice:
-      size = int(np.prod([s.stop - s.start for s in index], dtype=np.int64))
+      size = _regions.size(index)
       full_index = index + (slice(None),) * (len(info.shape) - len(index))
       yield want, full_index, devices, max(1, size) * itemsize * (2 if want.prng else 1)
 
