@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ucp_jax.store import _regions
+
 if TYPE_CHECKING:
   import jax
 
@@ -74,8 +76,6 @@ def adopt(
   The caller must not write to the buffers afterwards.
   """
   import jax
-
-  from ucp_jax.store import _regions
 
   return jax.make_array_from_callback(
     shape, sharding, lambda index: hosts[_regions.bounds(index, shape)]

@@ -14,8 +14,7 @@ Region = tuple[slice, ...]
 
 def normalize(index: tuple, shape: tuple[int, ...]) -> Region:
   """A numpy-style index (slices, possibly short or open) as explicit `slice(start, stop)`s."""
-  index = tuple(index) + (slice(None),) * (len(shape) - len(index))
-  return tuple(slice(*s.indices(d)[:2]) for s, d in zip(index, shape))
+  return tuple(slice(*b) for b in bounds(index, shape))
 
 
 def full(shape: tuple[int, ...]) -> Region:
@@ -40,19 +39,11 @@ def relative(region: Region, origin: Region) -> tuple:
   return (*(slice(r.start - o.start, r.stop - o.start) for r, o in zip(region, origin)), Ellipsis)
 
 
-def group_by_slice(
-  sharding: jax.sharding.Sharding, shape: tuple[int, ...]
-) -> tuple[tuple[Region, tuple[jax.Device, ...]], ...]:
-  """This process's devices of `sharding`, grouped by the region of the array each holds
-  (computed once per sharding and shape: a state's arrays share a few)."""
-  return _group_by_slice(sharding, tuple(shape))
-
-
 def bounds(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-  """A numpy-style index as hashable `(start, stop)` pairs (slices hash only from Python 3.12)."""
-  if len(index) == len(shape):
-    return tuple(s.indices(d)[:2] for s, d in zip(index, shape))
-  return tuple((s.start, s.stop) for s in normalize(index, shape))
+  """A numpy-style index (slices, possibly short or open) as hashable `(start, stop)` pairs
+  (slices hash only from Python 3.12)."""
+  index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+  return tuple(s.indices(d)[:2] for s, d in zip(index, shape))
 
 
 def group_regions(index_map, shape: tuple[int, ...]) -> tuple[tuple[Region, tuple], ...]:
@@ -105,5 +96,9 @@ def sharding_problem(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) ->
 
 
 @cached_when_hashable(maxsize=1024)
-def _group_by_slice(sharding, shape: tuple[int, ...]) -> tuple:
+def group_by_slice(
+  sharding: jax.sharding.Sharding, shape: tuple[int, ...]
+) -> tuple[tuple[Region, tuple[jax.Device, ...]], ...]:
+  """This process's devices of `sharding`, grouped by the region of the array each holds
+  (computed once per sharding and shape: a state's arrays share a few)."""
   return group_regions(sharding.addressable_devices_indices_map(shape), shape)

@@ -128,7 +128,7 @@ class _Auto:
         if len(self._seen) >= self._MAX_CHANGES:
           self._seen.clear()
         state = self._seen[change] = {
-          "calls": 0, "host": None, "device_put": None, "host_runs": 0, "device_put_runs": 0
+          "host": None, "device_put": None, "host_runs": 0, "device_put_runs": 0
         }  # fmt: skip
       path, timed = self._next_trial(state) or (state["path"], False)
     move = _host_reshard if path == "host" else _device_put
@@ -139,7 +139,6 @@ class _Auto:
     else:
       moved = move(arrays, targets)
     with self._lock:
-      state["calls"] += 1
       state[f"{path}_runs"] += 1
       if timed:
         state[path] = seconds if state[path] is None else min(state[path], seconds)
@@ -149,8 +148,12 @@ class _Auto:
     return moved
 
   def known(self, arrays: dict[str, jax.Array], targets: dict[str, Any]) -> dict[str, Any]:
-    """What `move` has measured of this change: calls so far, and the timed seconds."""
-    return dict(self._seen.get(self._change(arrays, targets), {}))
+    """What `move` has measured of this change: its trial calls so far, per path and in all,
+    the timed seconds, and the settled path."""
+    state = dict(self._seen.get(self._change(arrays, targets), {}))
+    if state:
+      state["calls"] = state["host_runs"] + state["device_put_runs"]
+    return state
 
 
 _AUTO = _Auto()
