@@ -18,8 +18,8 @@ from collections.abc import Iterator
 
 from ucp_jax._errors import SourceFormatError
 from ucp_jax.sources import _remote
-from ucp_jax.sources.torch._torch_zip import open_regular
 from ucp_jax.store import _location
+from ucp_jax.store._untrusted import open_regular
 
 MAX_SMALL_FILE_BYTES = 256 << 20
 """The most a metadata file (a tree's `_METADATA`, a JSON or pickle index) may hold."""

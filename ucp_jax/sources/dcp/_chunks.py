@@ -35,7 +35,7 @@ from ucp_jax.sources import _file_reads, _files, _remote
 from ucp_jax.sources._source_plan import Tensor, lazy_store
 from ucp_jax.sources.dcp._metadata import Chunk, Stored, TensorEntry
 from ucp_jax.sources.torch import _torch_file, _torch_zip
-from ucp_jax.store import _regions, _zarr
+from ucp_jax.store import _regions, _untrusted, _zarr
 
 CELL_BYTES = 1 << 20
 """The most a lazy read of a view asks of the chunks at once (a TensorStore cell)."""
@@ -86,7 +86,7 @@ class RankFiles:
     try:
       if self._remote is not None:
         return _torch_file.load_from(self._object(stored.file), path, span=span, locate=True)
-      with _torch_zip.open_regular(path) as f:
+      with _untrusted.open_regular(path) as f:
         return _torch_file.load_from(_torch_zip.FileBlob(f), path, span=span, locate=True)
     except SourceFormatError as e:
       raise type(e)(f"{e} ({what})") from e

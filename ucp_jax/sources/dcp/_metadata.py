@@ -30,9 +30,10 @@ import numpy as np
 
 from ucp_jax._errors import SourceFormatError, bullet_list
 from ucp_jax.sources import _files, _remote
-from ucp_jax.sources.torch import _pickle_limits, _torch_pickle, _torch_zip
+from ucp_jax.sources.torch import _pickle_limits, _torch_pickle
 from ucp_jax.sources.torch._pickle_records import Allowed, InertGlobal, InertObject
 from ucp_jax.sources.torch._torch_file import TorchDtype
+from ucp_jax.store import _untrusted
 
 METADATA = ".metadata"
 VERSIONS = (None, "1.0.0")
@@ -361,7 +362,7 @@ def _check_files(folder: str, entries: dict, files: list[str], fs: _files.Files)
     keys = users[name]
     shown = _some(keys)
     try:
-      with _torch_zip.open_regular(full) as f:
+      with _untrusted.open_regular(full) as f:
         sizes[name] = os.fstat(f.fileno()).st_size
     except FileNotFoundError:
       problems.append(

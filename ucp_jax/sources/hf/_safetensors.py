@@ -28,7 +28,7 @@ import numpy as np
 
 from ucp_jax._errors import SourceFormatError, bullet_list
 from ucp_jax.sources import _files
-from ucp_jax.sources.torch._torch_zip import open_regular
+from ucp_jax.store._untrusted import open_regular
 
 MAX_HEADER_BYTES = 100 << 20
 """The safetensors library's own bound on the JSON header."""

@@ -31,7 +31,7 @@ from ucp_jax.sources import _remote
 from ucp_jax.sources._source_plan import Param, Plan, Tensor, lazy_store
 from ucp_jax.sources.hf import _safetensors as st
 from ucp_jax.sources.torch import _source as torch_source
-from ucp_jax.sources.torch._torch_zip import open_regular
+from ucp_jax.store._untrusted import open_regular
 
 NAME = "hf"
 DESCRIPTION = (

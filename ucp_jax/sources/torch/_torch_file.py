@@ -45,6 +45,7 @@ from ucp_jax.sources.torch import _pickle_limits, _torch_pickle, _torch_zip
 from ucp_jax.sources.torch._torch_pickle import Allowed
 from ucp_jax.sources.torch._torch_pickle import InertGlobal as InertGlobal
 from ucp_jax.sources.torch._torch_pickle import InertObject as InertObject
+from ucp_jax.store import _untrusted
 
 _NUMPY_NAMED = ["float64", "float32", "float16", "complex128", "complex64", "bool"]
 _NUMPY_NAMED += [f"{sign}int{bits}" for sign in ("", "u") for bits in (8, 16, 32, 64)]
@@ -170,7 +171,7 @@ def load(path: str | os.PathLike, *, mmap: bool = True, span: tuple[int, int] | 
     OSError: the file cannot be opened or read.
   """
   path = os.fspath(path)
-  with _torch_zip.open_regular(path) as f:
+  with _untrusted.open_regular(path) as f:
     return load_from(_torch_zip.FileBlob(f), path, mmap=mmap, span=span)
 
 

@@ -20,7 +20,6 @@ import io
 import math
 import mmap as mmap_lib
 import os
-import stat
 import struct
 import threading
 import zipfile
@@ -37,38 +36,6 @@ MAX_DEFLATE_RATIO = 1032
 _SMALL_ENTRY = 4096  # byteorder and other small entries
 _LEGACY_MAGIC = b"\x80\x02\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
 _LOCAL_HEADER = struct.Struct("<4s22xHH")
-
-
-def open_regular(path: str) -> BinaryIO:
-  """Opens `path` for binary reading if it is a regular file, once symlinks are followed.
-
-  The check is made on the open file (no race with a swap of the path), and opening never
-  blocks: a FIFO, a device (``/dev/zero``), a socket or a directory is refused.
-
-  Raises:
-    SourceFormatError: `path` is not a regular file.
-    OSError: it cannot be opened.
-  """
-  flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
-  fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
-  try:
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-      kind = _FILE_KINDS.get(stat.S_IFMT(mode), "not a regular file")
-      raise SourceFormatError(f"{path}: a {kind}, not a regular file; refusing to read it")
-    return os.fdopen(fd, "rb")
-  except BaseException:
-    os.close(fd)
-    raise
-
-
-_FILE_KINDS = {
-  stat.S_IFIFO: "FIFO (named pipe)",
-  stat.S_IFCHR: "character device",
-  stat.S_IFBLK: "block device",
-  stat.S_IFDIR: "directory",
-  stat.S_IFSOCK: "socket",
-}
 
 
 def _refuse_legacy(path: str, head: bytes) -> None:
