@@ -11,6 +11,7 @@ from ucp_jax._errors import CheckpointNotFoundError as CheckpointNotFoundError
 from ucp_jax._errors import ConcurrentWriteError as ConcurrentWriteError
 from ucp_jax._errors import CorruptCheckpointError as CorruptCheckpointError
 from ucp_jax._errors import DtypeMismatchError as DtypeMismatchError
+from ucp_jax._errors import InsufficientMemoryError as InsufficientMemoryError
 from ucp_jax._errors import InvalidArgumentError as InvalidArgumentError
 from ucp_jax._errors import InvalidKeyError as InvalidKeyError
 from ucp_jax._errors import ManifestError as ManifestError
@@ -80,6 +81,7 @@ __all__ = [
   "DiffReport",
   "DtypeMismatchError",
   "ExportReport",
+  "InsufficientMemoryError",
   "InvalidArgumentError",
   "InvalidKeyError",
   "Manifest",

@@ -75,6 +75,10 @@ class InvalidKeyError(UcpError, ValueError):
   """A pytree path that cannot name an array in a checkpoint (too long a name, ...)."""
 
 
+class InsufficientMemoryError(UcpError, MemoryError):
+  """A read would need more memory than this process can allocate (sizes declared by files)."""
+
+
 class StorageError(UcpError, OSError):
   """The storage refused a read or write: disk full, permission denied, unreachable, ..."""
 

@@ -80,6 +80,35 @@ def not_regular(mode: int) -> str:
   return f"a {_FILE_KINDS.get(stat.S_IFMT(mode), 'special file')}, not a regular file"
 
 
+def check_inside(
+  path: str, folder: str, error: type[Exception] = _errors.SourceFormatError
+) -> None:
+  """Raises `error` unless `path`, once symlinks are followed, lies inside `folder`.
+
+  The links policy of every reader: a link inside a checkpoint may point anywhere inside it;
+  a Hugging Face cache snapshot (`<repo>/snapshots/<revision>/`, whose files link to
+  `<repo>/blobs/`) may also point into its repository's `blobs/`; no other link may leave the
+  folder (a link to `~/.ssh/id_rsa` is refused, and nothing of its target is read).
+  """
+  real = os.path.realpath(path)
+  for allowed in _allowed_roots(folder):
+    if real == allowed or real.startswith(allowed.rstrip(os.sep) + os.sep):
+      return
+  raise error(
+    f"{path}: a symbolic link to a file outside {folder}; refusing to follow it (links may "
+    "point inside the checkpoint, or into a Hugging Face cache's blobs/)"
+  )
+
+
+def _allowed_roots(folder: str) -> list[str]:
+  root = os.path.realpath(folder)
+  roots = [root]
+  snapshots = os.path.dirname(root)
+  if os.path.basename(snapshots) == "snapshots":
+    roots.append(os.path.join(os.path.dirname(snapshots), "blobs"))
+  return roots
+
+
 def read_regular(
   path: str, limit: int, error: type[Exception] = _errors.SourceFormatError
 ) -> bytes:
@@ -261,7 +290,9 @@ def available_memory() -> int:
   return max(0, min(known)) if known else 1 << 62
 
 
-def check_allocation(nbytes: int, what: str, error: type[Exception] = MemoryError) -> None:
+def check_allocation(
+  nbytes: int, what: str, error: type[Exception] = _errors.InsufficientMemoryError
+) -> None:
   """Raises `error` naming `what` when `nbytes` cannot be allocated by this process now.
 
   Declared sizes come from files: this is the last check before memory is taken for them.
