@@ -313,7 +313,11 @@ def test_malformed_manifest_entries_name_the_key(ckpt):
     ({"dtype": "<U2"}, "dtype '<U2' is not one"),
     ({"dtype": "string"}, "dtype 'string' is not one"),  # TensorStore's, not numpy's
     ({"dtype": ["int8"]}, "dtype \\['int8'\\] is not one"),
-    ({"shape": [-8, 4]}, "are not sizes"),
+    ({"shape": [-8, 4]}, "shape \\[-8, 4\\] is not a list of sizes"),
+    ({"shape": [2**62, 4]}, "declares more than 2\\*\\*62 bytes"),
+    ({"shape": [0, 2**70], "chunks": [1, 2**70]}, "declares more than 2\\*\\*62 bytes"),
+    ({"shape": [1] * 100, "chunks": [1] * 100}, "a shape of 100 dimensions \\(at most 32\\)"),
+    ({"kind": "scalar", "python_type": "float"}, "a scalar with shape \\[8, 4\\]"),
     ({"chunks": [8]}, "do not fit shape"),
     ({"shape": None}, "TypeError"),
     ({"kind": "pickle"}, "kind 'pickle'"),
@@ -327,6 +331,17 @@ def test_malformed_manifest_entries_name_the_key(ckpt):
     bad = {**good, "arrays": {**good["arrays"], "a": {**good["arrays"]["a"], **edit}}}
     manifest.write_bytes(seal(bad))
     with pytest.raises(ucp_jax.ManifestError, match=f"malformed manifest entry `a`: .*{problem}"):
+      ucp_jax.open(ckpt)
+  for edit, problem in (
+    ({"source": "deepspeed"}, "\"source\" is 'deepspeed', not an object"),
+    ({"metadata": [1]}, "\"metadata\" is \\[1\\], not an object"),
+    ({"step": "7"}, "\"step\" is '7', not an integer or null"),
+    ({"step": True}, "\"step\" is True, not an integer or null"),
+    ({"schema": 3}, "\"schema\" is 3, not an object or null"),
+    ({"created": 3}, "\"created\" is 3, not a string"),
+  ):
+    manifest.write_bytes(seal({**good, **edit}))
+    with pytest.raises(ucp_jax.ManifestError, match=f"malformed manifest: {problem}"):
       ucp_jax.open(ckpt)
 
 

@@ -248,14 +248,14 @@ def test_a_failing_disk_is_a_storage_error_and_loses_nothing(tmp_path, monkeypat
 
 def test_an_unreadable_chunk_is_a_storage_error(tmp_path, monkeypatch):
   ucp_jax.save(tmp_path / "ckpt", {"a": A})
-  real = open
+  real = os.open
 
   def failing_open(file, *args, **kwargs):
     if "/c/" in str(file):
       raise PermissionError(errno.EACCES, "Permission denied", str(file))
     return real(file, *args, **kwargs)
 
-  monkeypatch.setattr("builtins.open", failing_open)
+  monkeypatch.setattr(os, "open", failing_open)
   with pytest.raises(ucp_jax.StorageError, match=r"ckpt/a/c/0/0: `a`: cannot read the chunk"):
     ucp_jax.restore(tmp_path / "ckpt")
 

@@ -32,7 +32,7 @@ import crc32c
 import numpy as np
 
 from ucp_jax import _errors
-from ucp_jax.store import _bundle, _chunks, _hostmem, _regions
+from ucp_jax.store import _bundle, _chunks, _hostmem, _regions, _untrusted
 from ucp_jax.store._manifest import ArrayInfo
 
 ENABLED = sys.byteorder == "little"
@@ -266,6 +266,18 @@ class ArrayFiles:
     where, _, offset = layout.slot(index, encoded)
     return chunk_path(self.io_dir, where), f"{self.shown_dir}/{layout.name(index)}", offset
 
+  def check_file(self, index: tuple[int, ...]) -> None:
+    """Raises `CorruptCheckpointError` if the file that holds chunk `index` is there but is
+    not a regular file inside the checkpoint (for reads that TensorStore makes: it would
+    block on a FIFO); a missing file is left to the read to report."""
+    path, shown, _ = self.chunk(index)
+    try:
+      _open_chunks(self, path, shown).close()
+    except (FileNotFoundError, NotADirectoryError):
+      pass
+    except OSError as e:
+      raise _store_error(e, shown, self.key) from e
+
   def indexed(self, index: tuple[int, ...]) -> tuple[str, str, int] | None:
     """Where the bundle's index puts chunk `index`, when that is not where `chunk` looked
     (None: the same place, or not bundled).
@@ -314,7 +326,7 @@ def _read_index(files: ArrayFiles, path: str, shown: str) -> np.ndarray:
   """The checked index table of the bundle file at `path`."""
   layout = files._bundles[0]
   try:
-    with open(path, "rb", buffering=0) as f:
+    with _open_chunks(files, path, shown) as f:
       size = os.fstat(f.fileno()).st_size
       data_end = size - layout.index_nbytes
       if data_end < 0:
@@ -403,7 +415,7 @@ def _mapped(files: ArrayFiles, index, path: str, shown: str, offset: int | None)
   start = offset or 0
   base = start - start % mmap.ALLOCATIONGRANULARITY
   try:
-    with open(path, "rb", buffering=0) as f:
+    with _open_chunks(files, path, shown) as f:
       size = os.fstat(f.fileno()).st_size
       whole = (size == nbytes + 4) if offset is None else (start + nbytes + 4 <= size)
       if whole and nbytes:
@@ -439,7 +451,7 @@ def read_chunk_into(files: ArrayFiles, index: tuple[int, ...], out: np.ndarray) 
 def _read_into(files: ArrayFiles, index, out, path: str, shown: str, offset: int | None) -> None:
   raw = memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(bytearray())
   try:
-    with open(path, "rb", buffering=0) as f:
+    with _open_chunks(files, path, shown) as f:
       if offset is not None:
         f.seek(offset)
       got = _read_all(f, raw) if out.size else 0
@@ -453,6 +465,19 @@ def _read_into(files: ArrayFiles, index, out, path: str, shown: str, offset: int
       f"{shown}: `{files.key}`: chunk file holds {got + len(tail)} bytes, expected {raw.nbytes + 4}"
     )
   _check(files, index, shown, struct.unpack("<I", tail)[0], crc32c.crc32c(raw))
+
+
+def _open_chunks(files: ArrayFiles, path: str, shown: str):
+  """The chunk or bundle file at `path` (`shown` in messages), opened only if it is a regular
+  file (a FIFO would block the read forever) and no link out of the checkpoint."""
+  root = files.io_dir.removesuffix(files.key)  # links may point anywhere in the checkpoint
+  try:
+    return _untrusted.open_regular(
+      path, _errors.CorruptCheckpointError, buffered=False, inside=root
+    )
+  except _errors.CorruptCheckpointError as e:
+    why = str(e).removeprefix(f"{path}: ").replace(root, files.shown_dir.removesuffix(files.key))
+    raise _errors.CorruptCheckpointError(f"{shown}: `{files.key}`: {why}") from None
 
 
 def _store_error(error: OSError, shown: str, key: str) -> _errors.StorageError:

@@ -27,6 +27,9 @@ RESERVED = frozenset({"zarr.json", "manifest.json", ".ucp-lock"})
 """
 MAX_PART_BYTES = 255
 """The longest file name most file systems allow: a longer key part cannot be stored."""
+MAX_PARTS = 100
+"""The most parts a key may have: the manifest's tree outline nests one level per part, and
+readers refuse documents nested deeper than `_untrusted.MAX_JSON_DEPTH`."""
 
 
 @functools.lru_cache(maxsize=1 << 16)  # the same names recur in every save, restore, reshard
@@ -82,7 +85,10 @@ def problem(key: str) -> str | None:
   """
   if not isinstance(key, str) or not key:
     return "empty key"
-  for part in key.split("/"):
+  parts = key.split("/")
+  if len(parts) > MAX_PARTS:
+    return f"{len(parts)} path components (at most {MAX_PARTS})"
+  for part in parts:
     if not part:
       return "empty path component (a leading, trailing or doubled `/`)"
     if part in (".", "..") or not _PART.match(part):

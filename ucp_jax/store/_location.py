@@ -20,6 +20,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with numpy)
 import tensorstore as ts
 
 from ucp_jax import _errors
+from ucp_jax.store import _untrusted
 
 _URL_SCHEMES = ("file://", "memory://", "gs://", "s3://", "gcs://")
 
@@ -285,6 +286,39 @@ def wait(future: ts.Future, location: Location, what: str):
     ) from None
   except ValueError as e:
     raise _errors.StorageError(f"{location}: {what}: {error_text(e)}") from e
+
+
+def read_small(
+  location: Location, key: str, error: type[Exception], limit: int = _untrusted.MAX_JSON_BYTES
+) -> bytes | None:
+  """The bytes of the small file `key` (a manifest, a `zarr.json`), None when there is none.
+
+  A local file is read only if it is a regular file (a FIFO put there would block a
+  TensorStore read forever) and at most `limit` bytes long; a remote object likewise.
+
+  Raises:
+    error: not a regular file, or larger than `limit`.
+    StorageError: it cannot be read.
+  """
+  if location.local_dir is not None:
+    path, shown = location.io_path(key), os.path.join(location.local_dir, key)
+    try:
+      with _untrusted.open_regular(path, error) as f:
+        data = f.read(limit + 1)
+    except (FileNotFoundError, NotADirectoryError):
+      return None
+    except error as e:
+      raise error(str(e).replace(path, shown)) from None
+    except OSError as e:
+      raise storage_error(e, shown, "reading") from e
+  else:
+    result = kvstore(location).read(key).result()
+    if result.state != "value":
+      return None
+    data, shown = result.value, f"{location}/{key}"
+  if len(data) > limit:
+    raise error(f"{shown}: larger than {limit} bytes, more than a metadata file holds")
+  return data
 
 
 class KvStore:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ucp_jax import _errors
-from ucp_jax.store import _bundle, _chunks, _keypath, _location
+from ucp_jax.store import _bundle, _chunks, _keypath, _location, _untrusted
 
 FORMAT = "ucp_jax"
 FORMAT_VERSION = 3
@@ -139,20 +139,15 @@ class Manifest:
 
   @classmethod
   def from_bytes(cls, raw: bytes, where: str) -> Manifest:
-    try:
-      data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-      raise _errors.ManifestError(
-        f"{where}: the manifest is not valid JSON (truncated or overwritten?): {e}"
-      ) from e
+    data = _untrusted.loads_json(raw, where, _errors.ManifestError)
     if not isinstance(data, dict) or data.get("format") != FORMAT:
       raise _errors.ManifestError(
         f'{where}: not a ucp_jax manifest (no "format": "{FORMAT}" entry)'
       )
     version = data.get("format_version")
-    if version not in READABLE_VERSIONS:
+    if version not in READABLE_VERSIONS or isinstance(version, bool):
       raise _errors.ManifestError(
-        f"{where}: format version {version!r}; this ucp_jax reads versions "
+        f"{where}: format version {_short(version)}; this ucp_jax reads versions "
         f"{', '.join(map(str, READABLE_VERSIONS))}. Upgrade ucp_jax to read it."
       )
     if version >= 2:
@@ -163,27 +158,53 @@ class Manifest:
       raise _errors.ManifestError(
         f"{where}: a version 2 manifest marked version 1 (edited to skip its checksums)"
       )
-    if not isinstance(data.get("arrays"), dict):
-      raise _errors.ManifestError(f'{where}: malformed manifest: no "arrays" object')
+    problem = _top_problem(data)
+    if problem:
+      raise _errors.ManifestError(f"{where}: malformed manifest: {problem}")
     _check_keys(data["arrays"], data.get("tree"), where)
     arrays = {k: _array_info(k, v, where, sealed=version >= 2) for k, v in data["arrays"].items()}
-    prefix = data.get("data", "")
-    if prefix != "" and not (isinstance(prefix, str) and _DATA_PREFIX.match(prefix)):
-      raise _errors.ManifestError(f"{where}: malformed manifest: data prefix {prefix!r}")
-    try:
-      return cls(
-        arrays=arrays,
-        tree=data.get("tree"),
-        step=data.get("step"),
-        metadata=data.get("metadata") or {},
-        source=data.get("source") or {},
-        schema=data.get("schema"),
-        created=data.get("created", ""),
-        format_version=version,
-        data=prefix,
-      )
-    except (KeyError, TypeError, AttributeError, ValueError) as e:
-      raise _errors.ManifestError(f"{where}: malformed manifest entry: {e!r}") from e
+    return cls(
+      arrays=arrays,
+      tree=data.get("tree"),
+      step=data.get("step"),
+      metadata=data.get("metadata") or {},
+      source=data.get("source") or {},
+      schema=data.get("schema"),
+      created=data.get("created", ""),
+      format_version=version,
+      data=data.get("data", ""),
+    )
+
+
+_TOP_FIELDS = {  # field: (the types a save writes, what they are called)
+  "arrays": (dict, "an object"),
+  "step": ((int, type(None)), "an integer or null"),
+  "metadata": ((dict, type(None)), "an object"),
+  "source": ((dict, type(None)), "an object"),
+  "schema": ((dict, type(None)), "an object or null"),
+  "tree": ((dict, list, str, type(None)), "an outline of keys"),
+  "created": (str, "a string"),
+  "data": (str, "a string"),
+}
+
+
+def _top_problem(data: dict) -> str | None:
+  """Why the top-level fields of a manifest cannot be what a save wrote (None if they can)."""
+  for name, (types, what) in _TOP_FIELDS.items():
+    if name not in data and name != "arrays":
+      continue
+    value = data.get(name)
+    if not isinstance(value, types) or (name == "step" and isinstance(value, bool)):
+      return f'"{name}" is {_short(value)}, not {what}'
+  prefix = data.get("data", "")
+  if prefix != "" and not _DATA_PREFIX.match(prefix):
+    return f"data prefix {_short(prefix)}"
+  return None
+
+
+def _short(value: Any) -> str:
+  text = repr(value)
+  return text if len(text) <= 60 else text[:57] + "..."
 
 
 def seal(data: dict) -> bytes:
@@ -246,16 +267,20 @@ def _array_info(key: str, data: Any, where: str, sealed: bool) -> ArrayInfo:
     info = ArrayInfo.from_json(data)
   except (KeyError, TypeError, AttributeError, ValueError) as e:
     raise _errors.ManifestError(f"{where}: malformed manifest entry `{key}`: {e!r}") from e
-  problem = None
-  dims = (*info.shape, *info.chunks)
-  if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
-    problem = f"shape {list(info.shape)} / chunks {list(info.chunks)} are not sizes"
-  elif len(info.chunks) != len(info.shape) or not all(info.chunks):
+  problem = _untrusted.shape_problem(list(info.shape)) or _untrusted.shape_problem(
+    list(info.chunks)
+  )
+  if problem is None and (
+    len(info.chunks) != len(info.shape)
+    or not all(0 < c <= max(d, 1) for c, d in zip(info.chunks, info.shape))
+  ):
     problem = f"chunks {list(info.chunks)} do not fit shape {list(info.shape)}"
-  elif info.bundle is not None:
+  if problem is None and info.bundle is not None:
     problem = _bundle.check(info.shape, info.chunks, info.bundle)
   if problem is None:
     problem = _dtype_problem(info.dtype) or _fields_problem(info)
+  if problem is None:
+    problem = _untrusted.shape_problem(list(info.shape), _itemsize(info.dtype))
   if problem is None and sealed:
     checked = _attach_checksums(info, data.get("chunk_crc32c"))
     if isinstance(checked, ArrayInfo):
@@ -286,9 +311,11 @@ _KINDS = {"array": None, "scalar": ("bool", "int", "float", "complex"), "prng_ke
 def _fields_problem(info: ArrayInfo) -> str | None:
   """Why the descriptive fields of an entry cannot be what a save wrote."""
   if info.kind not in _KINDS:
-    return f"kind {info.kind!r} (one of {', '.join(_KINDS)})"
+    return f"kind {_short(info.kind)} (one of {', '.join(_KINDS)})"
   if info.kind == "scalar" and info.python_type not in _KINDS["scalar"]:
-    return f"a scalar's python_type {info.python_type!r} (one of bool, int, float, complex)"
+    return f"a scalar's python_type {_short(info.python_type)} (one of bool, int, float, complex)"
+  if info.kind == "scalar" and info.shape:
+    return f"a scalar with shape {list(info.shape)}"
   if info.kind != "scalar" and info.python_type is not None:
     return f"python_type {info.python_type!r} on an entry of kind {info.kind!r}"
   if (info.kind == "prng_key") != isinstance(info.prng_impl, str):
@@ -323,12 +350,11 @@ def read(location: _location.Location, *, staged: bool = False) -> Manifest:
       f"{where}: not a checkpoint but the staging directory of a save to {target} "
       "(still running, or it died before committing; the next save there removes it)"
     )
-  store = _location.kvstore(location)
-  result = store.read(MANIFEST_KEY).result()
-  if result.state != "value":
+  raw = _location.read_small(location, MANIFEST_KEY, _errors.ManifestError)
+  if raw is None:
     raise _errors.CheckpointNotFoundError(_why_missing(location))
-  manifest = Manifest.from_bytes(result.value, f"{where}/{MANIFEST_KEY}")
-  if manifest.format_version < 2 and _root_version(store) >= 2:
+  manifest = Manifest.from_bytes(raw, f"{where}/{MANIFEST_KEY}")
+  if manifest.format_version < 2 and _root_version(location) >= 2:
     raise _errors.ManifestError(
       f"{where}/{MANIFEST_KEY}: version {manifest.format_version} in a checkpoint whose "
       "zarr.json says version 2 or later (edited to skip its checksums)"
@@ -336,12 +362,14 @@ def read(location: _location.Location, *, staged: bool = False) -> Manifest:
   return manifest
 
 
-def _root_version(store) -> int:
+def _root_version(location: _location.Location) -> int:
   """The format version the root group's attributes record (0 when they record none)."""
-  result = store.read("zarr.json").result()
+  where = f"{location}/zarr.json"
+  raw = _location.read_small(location, "zarr.json", _errors.ManifestError)
   try:
-    version = json.loads(result.value)["attributes"]["ucp_jax"]["format_version"]
-  except (ValueError, KeyError, TypeError):
+    version = _untrusted.loads_json(raw, where, _errors.ManifestError)["attributes"]["ucp_jax"]
+    version = version["format_version"]
+  except (_errors.ManifestError, KeyError, TypeError):
     return 0
   return version if isinstance(version, int) else 0
 

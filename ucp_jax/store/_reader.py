@@ -8,9 +8,8 @@ opened with the manifest, so an overwrite during the read cannot mix two saves.
 
 from __future__ import annotations
 
-import builtins
 import dataclasses
-import json
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +19,17 @@ import numpy as np
 import tensorstore as ts
 
 from ucp_jax import _errors
-from ucp_jax.store import _bundle, _chunks, _commit, _direct, _location, _manifest, _verify, _zarr
+from ucp_jax.store import (
+  _bundle,
+  _chunks,
+  _commit,
+  _direct,
+  _location,
+  _manifest,
+  _untrusted,
+  _verify,
+  _zarr,
+)
 
 
 class Checkpoint:
@@ -96,11 +105,12 @@ class Checkpoint:
   def _raw_v1(self, key: str) -> bool:
     """Whether a version 1 array's chunks are stored raw (its zarr.json has no codec but
     `bytes` and `crc32c`); anything unreadable counts as not raw (TensorStore then says)."""
+    where = f"{self.data}/{key}/zarr.json"
     try:
-      with builtins.open(os.path.join(self.data.io_path(key), "zarr.json"), "rb") as f:
-        codecs = json.load(f).get("codecs") or []
-      return {c.get("name") for c in codecs} <= {"bytes", "crc32c"}
-    except (OSError, ValueError, AttributeError):
+      raw = _location.read_small(self.data, f"{key}/zarr.json", _errors.CorruptCheckpointError)
+      codecs = _untrusted.loads_json(raw, where, _errors.CorruptCheckpointError).get("codecs")
+      return {c.get("name") for c in codecs or []} <= {"bytes", "crc32c"}
+    except (_errors.UcpError, AttributeError, TypeError):
       return False
 
   def reads_directly(self, key: str) -> bool:
@@ -141,8 +151,11 @@ class Checkpoint:
       CorruptCheckpointError: a chunk fails its checksum or is missing.
     """
     store = self.tensorstore(key)
+    view = store[index] if index != () else store
+    nbytes = math.prod(view.shape) * view.dtype.numpy_dtype.itemsize
+    _untrusted.check_allocation(nbytes, f"{self.location}: reading `{key}`")
     try:
-      return _zarr.read_region(self.location, key, store[index] if index != () else store)
+      return _zarr.read_region(self.location, key, view)
     except _errors.CorruptCheckpointError as e:
       raise if_replaced(self, e) from e
 
@@ -241,6 +254,8 @@ def _checked_store(ckpt: Checkpoint, key: str) -> ts.Future:
   the manifest's checksum for its place before TensorStore sees it.
   """
   info = ckpt[key]
+  chunk_bytes = math.prod(info.chunks) * np.dtype(info.dtype).itemsize
+  _untrusted.check_allocation(chunk_bytes, f"{ckpt.data}/{key}: `{key}`: one chunk")
   files = ckpt.files(key)
   if files is not None:
     return _ready(_virtual(info, lambda index, out: _read_file_chunk(files, index, out)))
@@ -312,10 +327,18 @@ class _ZarrChunks:
   def __init__(self, stored: ts.TensorStore, where: str, key: str, info, ckpt: Checkpoint):
     self._stored, self._where, self._key, self._info = stored, where, key, info
     self._pin = ckpt.data.pin
+    data = ckpt.data
+    self._files = None
+    if data.local_dir is not None:  # compressed: each file is checked before TensorStore's read
+      self._files = _direct.ArrayFiles(
+        data.io_path(key), os.path.join(data.local_dir, key), key, info, data.pin
+      )
 
   def __call__(self, index: tuple[int, ...], out: np.ndarray) -> ts.Future:
     """Starts reading chunk `index`; checks it before filling `out`."""
     info = self._info
+    if self._files is not None:
+      self._files.check_file(index)
     read = self._stored[_chunks.chunk_region(index, info.chunks, info.shape)].read()
     promise, future = ts.Promise.new()
 

@@ -18,6 +18,7 @@ one), and never echoing bytes of the file that failed.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -38,6 +39,7 @@ MAX_RANK = 32
 """The most dimensions an array may declare (TensorStore's limit; numpy's is 64)."""
 MAX_ARRAY_BYTES = 1 << 62
 """The most bytes one declared array may hold, whatever its zero dimensions."""
+_ALWAYS_AFFORDABLE = 64 << 20  # allocations this small are not checked (reading memory costs)
 
 _FILE_KINDS = {
   stat.S_IFIFO: "FIFO (named pipe)",
@@ -48,21 +50,40 @@ _FILE_KINDS = {
 }
 
 
-def open_regular(path: str, error: type[Exception] = _errors.SourceFormatError) -> BinaryIO:
+def open_regular(
+  path: str,
+  error: type[Exception] = _errors.SourceFormatError,
+  *,
+  buffered: bool = True,
+  inside: str | None = None,
+) -> BinaryIO:
   """Opens `path` for binary reading if it is a regular file, once symlinks are followed.
 
   The check is made on the open file (no race with a swap of the path), and opening never
-  blocks: a FIFO, a device (``/dev/zero``), a socket or a directory is refused.
+  blocks: a FIFO, a device (``/dev/zero``), a socket or a directory is refused. With
+  `inside`, a file that is a symbolic link is opened only if it stays inside that folder
+  (`check_inside`); a file that is not a link costs nothing more.
 
   Raises:
-    error: `path` is not a regular file (`SourceFormatError` unless the caller says).
+    error: `path` is not a regular file (`SourceFormatError` unless the caller says), or
+      a link that leaves `inside`.
     OSError: it cannot be opened.
   """
   flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
-  fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
+  flags |= getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+  if inside is None:
+    fd = os.open(path, flags)
+  else:
+    try:
+      fd = os.open(path, flags | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as e:
+      if e.errno != errno.ELOOP:
+        raise
+      check_inside(path, inside, error)
+      fd = os.open(path, flags)
   try:
     check_regular(fd, path, error)
-    return os.fdopen(fd, "rb")
+    return os.fdopen(fd, "rb", buffering=-1 if buffered else 0)
   except BaseException:
     os.close(fd)
     raise
@@ -299,6 +320,8 @@ def check_allocation(
   """
   from ucp_jax.store import _hostmem  # its unused buffers are lent again before new memory
 
+  if nbytes <= _ALWAYS_AFFORDABLE:
+    return
   free = available_memory() + _hostmem.POOL.free_bytes()
   if nbytes > free:
     raise error(

@@ -48,30 +48,23 @@ def _check_array(ckpt: Checkpoint, kvstore, key: str) -> str | None:
   if problem:
     return problem
   store = ckpt.tensorstore(key)
-  chunks = info.chunks
   if info.shape:
     listed = kvstore.list(_location.prefix_range(f"{key}/c/")).result()
     found = {k.decode().removeprefix(f"{key}/") for k in listed}
   else:  # the one chunk of a 0-d array is the key `c` itself
     found = {"c"} if kvstore.read(f"{key}/c").result().state == "value" else set()
-  expected = set(_chunk_names(info))
-  if expected - found:
-    missing = len(expected - found)
+  grid = _chunks.grid(info.shape, info.bundle or info.chunks)
+  extra = sorted(n for n in found if _grid_index(n, grid) is None)
+  missing = math.prod(grid) - (len(found) - len(extra))
+  if missing:
     what = "bundle files" if info.bundle else "chunks"
-    return f"{missing} of {len(expected)} {what} missing: {_missing(ckpt, key, found)}"
-  if found - expected:
-    extra = sorted(found - expected)
+    return f"{missing} of {math.prod(grid)} {what} missing: {_missing(ckpt, key, found)}"
+  if extra:
     shown = ", ".join(f"{ckpt.data}/{key}/{name}" for name in extra[:3])
     return f"{len(extra)} files outside the chunk grid: {shown}" + (
       ", ..." if len(extra) > 3 else ""
     )
-  step = max(1, _BLOCK_BYTES // max(1, math.prod(info.shape[1:]) * np.dtype(info.dtype).itemsize))
-  if info.shape:
-    step = max(chunks[0], step - step % chunks[0])
-    n = info.shape[0]
-    blocks = [store[i : min(i + step, n)] for i in range(0, n, step)]
-  else:
-    blocks = [store]
+  blocks = _blocks(store, info)
   pending = []
   for block in blocks:  # a few blocks in flight: bounded memory, overlapped reads
     pending.append(block.read())
@@ -85,6 +78,35 @@ def _check_array(ckpt: Checkpoint, kvstore, key: str) -> str | None:
     more = f"; ... ({len(bad)} in all)" if len(bad) > 3 else ""
     return "bundle indexes that zarr readers follow are wrong: " + "; ".join(bad[:3]) + more
   return None
+
+
+def _blocks(store, info) -> Iterator:
+  """The array in blocks of whole chunks, each about `_BLOCK_BYTES` or one chunk: rows of
+  chunks when a row is small, else chunk by chunk (a row may be larger than memory)."""
+  if not info.shape:
+    yield store
+    return
+  chunks = info.chunks
+  row = math.prod(info.shape[1:]) * np.dtype(info.dtype).itemsize * chunks[0]
+  if row <= _BLOCK_BYTES:
+    step = chunks[0] * max(1, _BLOCK_BYTES // max(1, row))
+    n = info.shape[0]
+    yield from (store[i : min(i + step, n)] for i in range(0, n, step))
+    return
+  for index in itertools.product(*(range(n) for n in _chunks.grid(info.shape, chunks))):
+    yield store[_chunks.chunk_region(index, chunks, info.shape)]
+
+
+def _grid_index(name: str, grid: tuple[int, ...]) -> tuple[int, ...] | None:
+  """The place in `grid` of the chunk (or bundle) file `name` (`c/0/1`), None if outside."""
+  parts = name.split("/")
+  digits = parts[1:]
+  if parts[0] != "c" or len(digits) != len(grid):
+    return None
+  if not all(p.isascii() and p.isdigit() and str(int(p)) == p for p in digits):
+    return None
+  index = tuple(int(p) for p in digits)
+  return index if all(0 <= i < n for i, n in zip(index, grid)) else None
 
 
 def _chunk_names(info) -> Iterator[str]:

@@ -15,7 +15,8 @@ import numpy as np
 import tensorstore as ts
 
 from ucp_jax import _errors
-from ucp_jax.store._location import Location, context, error_text
+from ucp_jax.store import _untrusted
+from ucp_jax.store._location import Location, context, error_text, read_small
 
 CHUNK_BYTES = 4 << 20
 """Largest chunk written: small enough that a restore onto another mesh reads little extra."""
@@ -148,18 +149,52 @@ def open_array(location: Location, key: str, durable: bool = True) -> ts.Future:
   """Opens the stored array `key` for reading (and writing into, by a save in progress).
 
   A missing chunk is an error, never the fill value: every chunk of a committed
-  checkpoint exists, so one that does not was lost, moved or deleted.
+  checkpoint exists, so one that does not was lost, moved or deleted. Its `zarr.json`
+  is checked first (`check_metadata`): TensorStore's parser must never see a hostile one.
   """
-  return ts.open(
-    {
-      "driver": "zarr3",
-      "kvstore": location.kvstore_spec(key),
-      "recheck_cached_data": False,
-      "store_data_equal_to_fill_value": True,
-      "fill_missing_data_reads": False,
-    },
-    context=context(durable),
-  )
+  spec = {
+    "driver": "zarr3",
+    "kvstore": location.kvstore_spec(key),
+    "recheck_cached_data": False,
+    "store_data_equal_to_fill_value": True,
+    "fill_missing_data_reads": False,
+  }
+  promise, opened = ts.Promise.new()
+  if location.local_dir is not None:  # a local read is cheap: check it here
+    try:
+      raw = read_small(location, f"{key}/zarr.json", _errors.CorruptCheckpointError)
+      check_metadata(location, key, raw)
+    except _errors.UcpError as e:
+      promise.set_exception(e)
+      return opened
+    return ts.open(spec, context=context(durable))
+
+  def checked(read: ts.Future) -> None:
+    try:
+      result = read.result()
+      check_metadata(location, key, result.value if result.state == "value" else None)
+      ts.open(spec, context=context(durable)).add_done_callback(lambda f: _settle(promise, f))
+    except BaseException as e:
+      promise.set_exception(e)
+
+  store = ts.KvStore.open(location.kvstore_spec(key), context=context(durable)).result()
+  store.read("zarr.json").add_done_callback(checked)
+  return opened
+
+
+def check_metadata(location: Location, key: str, raw: bytes | None) -> None:
+  """Raises `CorruptCheckpointError` if the `zarr.json` of `key` (`raw`; None when missing,
+  which the open reports) is too large or too deep for TensorStore's parser to be safe."""
+  if raw is not None:
+    where = f"{location}/{key}/zarr.json"
+    _untrusted.check_json_text(raw, where, _errors.CorruptCheckpointError)
+
+
+def _settle(promise: ts.Promise, future: ts.Future) -> None:
+  try:
+    promise.set_result(future.result())
+  except BaseException as e:
+    promise.set_exception(e)
 
 
 def metadata_problem(stored: ts.TensorStore, info) -> str | None:

@@ -12,7 +12,7 @@ import numpy as np
 import tensorstore as ts
 
 from ucp_jax import _errors
-from ucp_jax.store import _hostmem, _keypath, _reader, _regions, _zarr
+from ucp_jax.store import _hostmem, _keypath, _reader, _regions, _untrusted, _zarr
 from ucp_jax.store._manifest import ArrayInfo
 from ucp_jax.tree import _save, _tree
 
@@ -231,7 +231,9 @@ class _Reads:
     pieces: dict[str, dict] = {k: {} for k in wants}
     window: deque = deque()
     held = 0
-    for unit in self._units(wants):
+    units = list(self._units(wants))
+    self._check_memory(wants, units)
+    for unit in units:
       while window and held + unit[-1] > self._budget:
         held -= self._finish(window.popleft(), pieces)
       window.append(self._start(unit))
@@ -239,6 +241,20 @@ class _Reads:
     while window:
       self._finish(window.popleft(), pieces)
     return {key: self._assemble(wants[key], pieces[key]) for key in wants}
+
+  def _check_memory(self, wants: dict[str, _Want], units: list) -> None:
+    """Refuses a restore whose host memory (every slice, where the devices adopt host buffers
+    or numpy arrays are asked for; else the reads in flight) this process cannot allocate:
+    the sizes come from the checkpoint's files, which may declare terabytes."""
+    by_key: dict[str, int] = {}
+    for unit in units:
+      by_key[unit[0].key] = by_key.get(unit[0].key, 0) + unit[-1]
+    total = sum(by_key.values())
+    kept = all(w.as_ != "jax" or _hostmem.adopts(w.sharding) for w in wants.values())
+    nbytes = total if kept else min(total, self._budget + max((u[-1] for u in units), default=0))
+    largest = max(by_key, key=by_key.get, default=None)
+    what = f"{self._ckpt.location}: restoring {len(wants)} arrays (the largest `{largest}`)"
+    _untrusted.check_allocation(nbytes, what)
 
   def _units(self, wants: dict[str, _Want]):
     """Units of reading: every slice of a direct-read array together, else one slice each."""

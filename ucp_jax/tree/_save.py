@@ -9,7 +9,16 @@ import jax
 import numpy as np
 
 from ucp_jax import _errors
-from ucp_jax.store import _bundle, _keypath, _location, _manifest, _multihost, _write_plan, _zarr
+from ucp_jax.store import (
+  _bundle,
+  _keypath,
+  _location,
+  _manifest,
+  _multihost,
+  _untrusted,
+  _write_plan,
+  _zarr,
+)
 from ucp_jax.store._writer import Entry
 from ucp_jax.store._writer import Writer as Writer
 from ucp_jax.store._writer import together as _together
@@ -216,12 +225,18 @@ def _storable(dtype) -> bool:
 
 
 def _json_checked(obj: Any, what: str) -> Any:
+  """`obj`, once it is known that a reader will take it back from the manifest: JSON with
+  no NaN or lone surrogates, nested no deeper than readers accept."""
   import json
 
   try:
-    json.dumps(obj, allow_nan=False)
-  except (TypeError, ValueError) as e:
-    raise _errors.UcpError(f"{what} must be JSON-serializable: {e}") from e
+    text = json.dumps(obj, allow_nan=False, ensure_ascii=False).encode()
+  except (TypeError, ValueError, RecursionError) as e:
+    raise _errors.InvalidArgumentError(f"{what} must be JSON-serializable: {e}") from e
+  # the manifest holds it one level down
+  _untrusted.check_json_text(
+    text, what, _errors.InvalidArgumentError, max_depth=_untrusted.MAX_JSON_DEPTH - 1
+  )
   return obj
 
 
