@@ -29,6 +29,9 @@ from ucp_jax.store._manifest import ArrayInfo as ArrayInfo
 from ucp_jax.store._manifest import Manifest as Manifest
 from ucp_jax.store._reader import Checkpoint as Checkpoint
 from ucp_jax.store._reader import open as open
+from ucp_jax.store._zarr_python import register_when_imported as _register_zarr_dtypes
+
+_register_zarr_dtypes()  # zarr-python reads bfloat16 and float8 arrays
 
 # The rest loads on first use (PEP 562), so `ucp inspect`, `ucp convert` and the
 # converters start without importing jax.
