@@ -253,3 +253,69 @@ def test_flax_train_state_exports_to_deepspeed_names_and_layouts(tmp_path):
   )
   assert (tmp_path / "ds2" / report.tag / "zero" / "h.1.mlp.fc.weight" / "fp32.pt").exists()
   assert _cli.main(["export", str(tmp_path / "jax"), str(tmp_path / "ds3"), "--rules", "bert"]) == 2
+
+
+def _saved_with(tmp_path, tx, name="c"):
+  model = MLP(nnx.Rngs(0))
+  opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  _train(model, opt, 2)
+  ucp_jax.save_train_state(tmp_path / name, model, opt)
+  return model, opt
+
+
+def test_another_optimizers_state_is_refused_naming_both(tmp_path):
+  model, _ = _saved_with(tmp_path, optax.adamw(1e-2), "adamw")
+  _saved_with(tmp_path, optax.adabelief(1e-2), "adabelief")
+  states = ucp_jax.open(tmp_path / "adamw").manifest.schema["optimizer"]["states"]
+  assert states == {"optimizer/opt_state/0": "ScaleByAdamState"}
+  for saved, tx, was, now in (
+    ("adamw", optax.adabelief(1e-2), "ScaleByAdamState", "ScaleByBeliefState"),
+    ("adabelief", optax.adamw(1e-2), "ScaleByBeliefState", "ScaleByAdamState"),
+  ):
+    fresh = MLP(nnx.Rngs(1))
+    with pytest.raises(ucp_jax.MappingError) as e:
+      ucp_jax.restore_train_state(tmp_path / saved, fresh, nnx.Optimizer(fresh, tx, wrt=nnx.Param))
+    message = str(e.value)
+    assert "not the one this checkpoint was saved with" in message and "params_only=True" in message
+    assert f"optimizer/opt_state/0: optax {was}" in message and f"optax {now}" in message
+  # states that several optimizers share restore into each other (said in docs/schema.md)
+  fresh = MLP(nnx.Rngs(1))
+  ucp_jax.restore_train_state(
+    tmp_path / "adamw", fresh, nnx.Optimizer(fresh, optax.adam(1e-2), wrt=nnx.Param)
+  )
+  np.testing.assert_array_equal(fresh.fc1.kernel[...], model.fc1.kernel[...])
+
+
+def test_params_only_restores_into_any_optimizer(tmp_path):
+  model, _ = _saved_with(tmp_path, optax.adamw(1e-2))
+  fresh = MLP(nnx.Rngs(1))
+  opt = nnx.Optimizer(fresh, optax.lion(1e-3), wrt=nnx.Param)
+  before = jax.tree.map(np.asarray, nnx.state(opt))
+  ucp_jax.restore_train_state(tmp_path / "c", fresh, opt, params_only=True)
+  np.testing.assert_array_equal(fresh.fc2.kernel[...], model.fc2.kernel[...])
+  np.testing.assert_array_equal(fresh.norm.mean[...], model.norm.mean[...])  # buffers too
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, nnx.state(opt)), before)
+  _train(fresh, opt, 1)  # the new optimizer trains on
+  alone = MLP(nnx.Rngs(2))  # a model without its optimizer: the parameters only
+  ucp_jax.restore_train_state(tmp_path / "c", alone)
+  np.testing.assert_array_equal(alone.fc1.bias[...], model.fc1.bias[...])
+
+
+def test_linen_params_only_keeps_the_new_optimizer(tmp_path):
+  import flax.linen as nn
+  from flax.training import train_state
+
+  module = nn.Dense(4)
+  params = module.init(jax.random.key(0), jnp.ones((1, 3)))
+  state = train_state.TrainState.create(apply_fn=module.apply, params=params, tx=optax.adam(1e-2))
+  state = state.apply_gradients(grads=jax.tree.map(jnp.ones_like, params))
+  ucp_jax.save_train_state(tmp_path / "c", state)
+  blank = train_state.TrainState.create(
+    apply_fn=module.apply, params=jax.tree.map(jnp.zeros_like, params), tx=optax.adabelief(1e-3)
+  )
+  with pytest.raises(ucp_jax.MappingError, match="opt_state/0: optax ScaleByAdamState"):
+    ucp_jax.restore_train_state(tmp_path / "c", blank)
+  restored = ucp_jax.restore_train_state(tmp_path / "c", blank, params_only=True)
+  np.testing.assert_array_equal(restored.params["params"]["kernel"], state.params["params"]["kernel"])
+  assert int(restored.step) == 0
+  assert type(restored.opt_state[0]).__name__ == "ScaleByBeliefState"

@@ -89,6 +89,7 @@ class SlotMap:
   jax_only: list[JaxOnly]
   accumulators: list[Accumulator]
   counters: list[str]  # keys counting optimizer steps (`count`, `gradient_step`)
+  states: dict[str, str] = dataclasses.field(default_factory=dict)  # key -> optax state class
 
   def held(self) -> set[str]:
     """Parameters some state holds (the others are frozen)."""
@@ -136,6 +137,7 @@ def find_slots(opt_state: Any, prefix: str, param_keys: list[str]) -> SlotMap:
     jax_only=walk.jax_only,
     accumulators=walk.accumulators,
     counters=walk.counters,
+    states=walk.forms,
   )
 
 
@@ -154,6 +156,7 @@ class _Walk:
   def __init__(self, params: set[str]):
     self.params = params
     self.order: dict[str, int] = {}
+    self.forms: dict[str, str] = {}
     self.holders: list[_Holder] = []
     self.slots: dict[str, dict[str, str]] = {}
     self.jax_slots: dict[str, dict[str, str]] = {}
@@ -169,6 +172,7 @@ class _Walk:
   def _state(self, state: Any, key: str, hyper: str | None) -> None:
     form = type(state).__name__
     self.order.setdefault(key, len(self.order))
+    self.forms[key] = form
     if "hyperparams" in state._fields:
       hyper = f"{key}/hyperparams"
     kind, names = TRANSLATED.get(form, (None, {}))
@@ -235,6 +239,29 @@ def _is_variable(x: Any) -> bool:
 
 def _value(x: Any) -> Any:
   return x.get_value() if _is_variable(x) else x
+
+
+SHARED_STATES = {  # optax state classes that several optimizers' states are made of
+  "ScaleByAdamState": "adam, adamw, nadam, radam, adamax, yogi, lamb",
+  "TraceState": "sgd with momentum, nesterov or not",
+}
+
+
+def state_problems(saved: dict[str, str], target: SlotMap) -> list[str]:
+  """How the Optax states a checkpoint recorded (`saved`: key -> state class) differ from
+  the target optimizer's at the same keys: another optimizer's moments are never restored
+  as if they were its own (adabelief's `nu` is not adam's)."""
+  problems = []
+  for key, form in sorted(target.states.items()):
+    was = saved.get(key)
+    if isinstance(was, str) and was != form:
+      problems.append(f"{key}: {_named(was)} in the checkpoint, {_named(form)} in the target")
+  return problems
+
+
+def _named(form: str) -> str:
+  shared = SHARED_STATES.get(form)
+  return f"optax {form} ({shared})" if shared else f"optax {form}"
 
 
 def group_hyperparams(group: Group, flat: dict[str, Any]) -> dict:

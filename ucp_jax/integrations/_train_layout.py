@@ -130,6 +130,8 @@ def schema(flat: dict[str, Any], layout: Layout, hyperparams: Any) -> dict:
   if step is None:  # no state counts steps (sgd): the training loop's counter
     step = next((int(np.asarray(flat[k])) for k in layout.step_keys if k in flat), None)
   optimizer = {"type": _kind(layout, slots, groups), "step": step, "groups": groups}
+  if slots.states:
+    optimizer["states"] = slots.states
   jax_only = _jax_only(flat, layout, slots)
   if jax_only:
     optimizer["jax_only"] = jax_only

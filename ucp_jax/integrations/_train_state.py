@@ -74,6 +74,7 @@ def restore_train_state(
   rules: Any = None,
   mesh: jax.sharding.Mesh | None = None,
   cast: bool = False,
+  params_only: bool = False,
   max_host_bytes: int = _save.DEFAULT_HOST_BYTES,
 ) -> Any:
   """Restores a training state saved by `save_train_state`, or converted from DeepSpeed.
@@ -92,6 +93,10 @@ def restore_train_state(
       model's keys; required for a converted (torch-named) checkpoint.
     mesh: build shardings from the variables' partition specs on this mesh.
     cast: allow dtype conversion (e.g. fp32 masters into a bf16 model).
+    params_only: restore the model's parameters and buffers only (fine-tuning with a new
+      optimizer): the optimizer, and a Linen state's `opt_state` and `step`, keep their
+      values, whatever optimizer the checkpoint was saved with. An NNX `model` given
+      without `optimizer` restores this way too.
     max_host_bytes: as for `ucp_jax.restore`.
 
   Every parameter's slots are restored by name. A converted checkpoint's parameter
@@ -105,11 +110,15 @@ def restore_train_state(
     MappingError: unmapped names, missing optimizer slots, Optax state that a converted
       checkpoint cannot hold (Lion, Adafactor, `optax.ema`, ...), Optax groups that are
       not the checkpoint's (another number, or one holding parameters of two checkpoint
-      groups): all listed at once, before any array is read.
+      groups), an optimizer whose Optax states are not the checkpoint's (`optax.adabelief`
+      into a checkpoint of `optax.adamw`; states that several optimizers share, such as
+      adam's and adamw's, restore into each other): all listed at once, before any array
+      is read.
     ShardingError: an abstract target on an `AbstractMesh` and no mesh to place it on.
   """
   ckpt = _reader.open(path)
   layout = _train_layout.layout(model, optimizer)
+  params_only = params_only or layout.opt_state is None
   flat, unflatten = _tree.flatten(_train_layout.with_mesh(layout.tree, mesh))
   holes = {k: v for k, v in flat.items() if _optax.is_placeholder(v)}
   target = {k: v for k, v in flat.items() if k not in holes}
@@ -119,14 +128,35 @@ def restore_train_state(
   options = dict(cast=cast, max_host_bytes=max_host_bytes)
   naming = schema.get("naming", "torch") if schema else "flax"  # no schema: a plain JAX save
   target = _place_stragglers(target, layout, slots)
+  kept = {}
+  if params_only:
+    model_keys = {f"{layout.params_prefix}/{k}" for k in layout.param_keys + layout.buffer_keys}
+    kept = {k: layout.live[k] for k in target if k not in model_keys}
+    target = {k: v for k, v in target.items() if k in model_keys}
+    slots = _optax.find_slots(None, layout.opt_prefix, layout.param_keys)
+  else:
+    _check_states(ckpt, schema, slots)
   if naming == "flax" and rules is None:
     asked, back = _scalars_as_stored(target, ckpt)
     asked = _place_stragglers(asked, layout, slots)  # numbers asked as arrays join the mesh
-    values, _ = _tree.flatten(_restore.restore(ckpt, _keypath.nest(asked), **options))
+    restored = _restore.restore(ckpt, _keypath.nest(asked), partial=params_only, **options)
+    values, _ = _tree.flatten(restored)
     values.update((k, _like(target[k], values[k])) for k in back)
   else:
     values = _Converted(ckpt, target, layout, slots, rules).restore(options)
-  return _apply(model, optimizer, unflatten({**values, **holes}))
+  return _apply(model, optimizer, unflatten({**kept, **values, **holes}))
+
+
+def _check_states(ckpt, schema: dict, slots: _optax.SlotMap) -> None:
+  """Refuses an optimizer whose Optax states are not those the checkpoint recorded."""
+  saved = (schema.get("optimizer") or {}).get("states")
+  problems = _optax.state_problems(saved, slots) if isinstance(saved, dict) else []
+  if problems:
+    raise _errors.MappingError(
+      f"{ckpt.location}: the optimizer is not the one this checkpoint was saved with; build "
+      "that one, or restore the parameters only (params_only=True):\n"
+      + _errors.bullet_list(problems)
+    )
 
 
 class _Converted:
