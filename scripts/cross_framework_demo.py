@@ -371,7 +371,7 @@ def main(argv=None) -> int:
   jax_losses = jt.train(k, n)
   # 4. JAX saves, exports, and continues M steps (the reference for DeepSpeed's resumes).
   ucp_jax.save_train_state(out / "jax_ckpt", jt.model, jt.optimizer, hyperparams=HYPER)
-  export = ucp_jax.export(out / "jax_ckpt", out / "ds_export", rules=rules)
+  export = ucp_jax.export(out / "jax_ckpt", out / "ds_export", rules=rules, format="deepspeed")
   jax_more = jt.train(k + n, m)
   lap("JAX")
   resumed = {}

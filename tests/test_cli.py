@@ -172,9 +172,20 @@ def test_export_says_when_rules_are_not_used(tmp_path, capsys):
   pytest.importorskip("torch")
   src = str(FIXTURES / "deepspeed" / "z2_fp32_dp2" / "ckpt")
   assert _cli.main(["convert", src, str(tmp_path / "ckpt")]) == 0
-  argv = ["export", str(tmp_path / "ckpt"), str(tmp_path / "ds"), "--rules", "gpt2:num_heads=4"]
+  argv = [
+    "export",
+    "--format",
+    "deepspeed",
+    str(tmp_path / "ckpt"),
+    str(tmp_path / "ds"),
+    "--rules",
+    "gpt2:num_heads=4",
+  ]
   assert _cli.main(argv) == 0
   out = capsys.readouterr().out
   assert "note: rules were not used: the checkpoint's parameters already have torch names" in out
-  assert _cli.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "ds")]) == 2
+  assert (
+    _cli.main(["export", "--format", "deepspeed", str(tmp_path / "ckpt"), str(tmp_path / "ds")])
+    == 2
+  )
   assert "pass --overwrite to replace it" in capsys.readouterr().err

@@ -65,7 +65,9 @@ def _dirs(root) -> dict[str, set[str]]:
 @pytest.mark.parametrize("name", F.NAMES)
 def test_zero_files_equal_deepspeeds_own(tmp_path, name, kind):
   meta = F.info(name)
-  report = ucp_jax.export(_source(kind, name, tmp_path / "ckpt"), tmp_path / "ds")
+  report = ucp_jax.export(
+    _source(kind, name, tmp_path / "ckpt"), tmp_path / "ds", format="deepspeed"
+  )
   ours, theirs = tmp_path / "ds" / TAG, F.FIXTURES / name / "universal"
   assert report.tag == TAG and report.zero_stages == (1, 2, 3)
   extras = {*meta["frozen"], *meta["buffers"], *meta["tied"]}
@@ -106,7 +108,7 @@ def test_zero_files_equal_deepspeeds_own(tmp_path, name, kind):
 @pytest.mark.parametrize("name", F.NAMES)
 def test_optimizer_and_model_states(tmp_path, name):
   meta = F.info(name)
-  ucp_jax.export(F.fixture_checkpoint(name, tmp_path / "ckpt"), tmp_path / "ds")
+  ucp_jax.export(F.fixture_checkpoint(name, tmp_path / "ckpt"), tmp_path / "ds", format="deepspeed")
   ours, theirs = tmp_path / "ds" / TAG, F.FIXTURES / name / "universal"
   assert (tmp_path / "ds" / "latest_universal").read_text() == TAG
   opt, ds_opt = (
@@ -152,7 +154,7 @@ def test_optimizer_and_model_states(tmp_path, name):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_one_stage_writes_one_model_states_file(tmp_path, stage):
   src = F.fixture_checkpoint("z2_bf16_dp3", tmp_path / "ckpt")
-  report = ucp_jax.export(src, tmp_path / "ds", zero_stage=stage, tag="t")
+  report = ucp_jax.export(src, tmp_path / "ds", zero_stage=stage, tag="t", format="deepspeed")
   files = sorted(os.path.basename(p) for p in glob.glob(f"{tmp_path}/ds/t/*.pt"))
   if stage == 3:
     assert report.zero_stages == (3,) and files == ["zero_pp_rank_0_mp_rank_00_model_states.pt"]
@@ -165,7 +167,9 @@ def test_one_stage_writes_one_model_states_file(tmp_path, stage):
 def test_files_load_with_torch_weights_only(tmp_path):
   import torch
 
-  ucp_jax.export(F.fixture_checkpoint("z2_bf16_dp3", tmp_path / "ckpt"), tmp_path / "ds")
+  ucp_jax.export(
+    F.fixture_checkpoint("z2_bf16_dp3", tmp_path / "ckpt"), tmp_path / "ds", format="deepspeed"
+  )
   files = glob.glob(f"{tmp_path}/ds/{TAG}/**/*.pt", recursive=True)
   assert len(files) == 7 * 4 + 3 + 1 + 2  # params, extras, optimizer and model states
   for path in files:
@@ -176,7 +180,9 @@ def test_files_load_with_torch_weights_only(tmp_path):
 def test_report_and_progress(tmp_path):
   src = F.fixture_checkpoint("z2_fp32_dp2", tmp_path / "ckpt")
   calls = []
-  report = ucp_jax.export(src, tmp_path / "ds", progress=lambda *a: calls.append(a))
+  report = ucp_jax.export(
+    src, tmp_path / "ds", progress=lambda *a: calls.append(a), format="deepspeed"
+  )
   total = sum(ucp_jax.open(src)[k].nbytes for k in ucp_jax.open(src).keys())
   assert [c[0] for c in calls][-2:] == ["gate", "scale"] and {c[2] for c in calls} == {total}
   assert sum(c[1] for c in calls) == total == report.nbytes
@@ -196,7 +202,7 @@ def test_report_and_progress(tmp_path):
 def test_no_schema(tmp_path):
   src = ucp_jax.save(tmp_path / "plain", {"w": np.ones(3)})
   with pytest.raises(ucp_jax.MappingError) as e:
-    ucp_jax.export(src, tmp_path / "ds")
+    ucp_jax.export(src, tmp_path / "ds", format="deepspeed")
   assert str(e.value) == (
     f"{src}: this checkpoint has no parameter schema, so it does not say which array is which "
     "parameter, optimizer slot (exp_avg, exp_avg_sq) or buffer, nor the optimizer step and "
@@ -218,7 +224,7 @@ def test_every_schema_problem_listed(tmp_path):
   schema["params"]["lm.weight"] = {"tied_to": "nothing"}
   src = ucp_jax.save(tmp_path / "ckpt", tree, schema=schema)
   with pytest.raises(ucp_jax.MappingError) as e:
-    ucp_jax.export(src, tmp_path / "ds")
+    ucp_jax.export(src, tmp_path / "ds", format="deepspeed")
   assert str(e.value) == (
     f"{src}: cannot export: 7 problem(s) in the parameter schema:\n"
     "  `fc1.weight` slot `exp_avg` -> `exp_avg/fc1.weight`: no such array in the checkpoint\n"
@@ -236,7 +242,7 @@ def test_bad_schema_header(tmp_path):
   schema.update(version=2, naming="flax", optimizer={"type": "adamw", "step": -1, "groups": []})
   src = ucp_jax.save(tmp_path / "ckpt", tree, schema=schema)
   with pytest.raises(ucp_jax.MappingError) as e:
-    ucp_jax.export(src, tmp_path / "ds")
+    ucp_jax.export(src, tmp_path / "ds", format="deepspeed")
   problems = str(e.value).splitlines()[1:]
   assert problems[:4] == [
     "  schema version 2; this ucp_jax exports version 1",
@@ -250,31 +256,31 @@ def test_bad_schema_header(tmp_path):
 @pytest.mark.parametrize("stage", [0, 4, True, "3"])
 def test_bad_zero_stage(tmp_path, stage):
   with pytest.raises(ValueError, match=r"zero_stage .*: expected 1, 2, 3 or None \(all stages\)"):
-    ucp_jax.export(tmp_path / "missing", tmp_path / "ds", zero_stage=stage)
+    ucp_jax.export(tmp_path / "missing", tmp_path / "ds", zero_stage=stage, format="deepspeed")
 
 
 def test_bad_format_and_tag(tmp_path):
   with pytest.raises(ValueError, match="format 'tflite': ucp_jax exports to "):
     ucp_jax.export(tmp_path / "missing", tmp_path / "ds", format="tflite")
   with pytest.raises(ValueError, match="tag 'a/b': not usable as a directory name"):
-    ucp_jax.export(tmp_path / "missing", tmp_path / "ds", tag="a/b")
+    ucp_jax.export(tmp_path / "missing", tmp_path / "ds", tag="a/b", format="deepspeed")
 
 
 @needs_torch
 def test_destination_exists(tmp_path):
   src = F.fixture_checkpoint("z1_fp32_dp2", tmp_path / "ckpt")
   dst = tmp_path / "ds"
-  ucp_jax.export(src, dst, tag="old")
+  ucp_jax.export(src, dst, tag="old", format="deepspeed")
   with pytest.raises(
     ucp_jax.CheckpointExistsError, match="an export exists already; pass overwrite"
   ):
-    ucp_jax.export(src, dst)
-  ucp_jax.export(src, dst, overwrite=True)
+    ucp_jax.export(src, dst, format="deepspeed")
+  ucp_jax.export(src, dst, overwrite=True, format="deepspeed")
   assert sorted(os.listdir(dst)) == [TAG, "latest_universal", "ucp_export.json"]
   (tmp_path / "other").mkdir()
   (tmp_path / "other" / "notes.txt").write_text("mine")
   with pytest.raises(ucp_jax.CheckpointExistsError) as e:
-    ucp_jax.export(src, tmp_path / "other", overwrite=True)
+    ucp_jax.export(src, tmp_path / "other", overwrite=True, format="deepspeed")
   assert str(e.value) == (
     f"{tmp_path / 'other'}: not an earlier ucp_jax export, so the export will not replace it "
     "(nothing was deleted); in the way:\n"
@@ -283,7 +289,7 @@ def test_destination_exists(tmp_path):
   )
   (tmp_path / "file").write_text("")
   with pytest.raises(ucp_jax.CheckpointExistsError, match="a file is in the way"):
-    ucp_jax.export(src, tmp_path / "file", overwrite=True)
+    ucp_jax.export(src, tmp_path / "file", overwrite=True, format="deepspeed")
 
 
 def _snapshot(root) -> dict[str, bytes]:
@@ -305,7 +311,7 @@ def test_overwrite_refuses_a_deepspeed_training_folder(tmp_path, capsys):
   (run / "latest_universal").write_text("universal")  # as ds_to_universal writes it
   before = _snapshot(run)
   with pytest.raises(ucp_jax.CheckpointExistsError) as e:
-    ucp_jax.export(src, run, overwrite=True)
+    ucp_jax.export(src, run, overwrite=True, format="deepspeed")
   assert str(e.value) == (
     f"{run}: not an earlier ucp_jax export, so the export will not replace it (nothing was "
     "deleted); in the way:\n"
@@ -315,7 +321,7 @@ def test_overwrite_refuses_a_deepspeed_training_folder(tmp_path, capsys):
     "  latest_universal\n"
     "  universal/"
   )
-  assert _cli.main(["export", src, str(run), "--overwrite"]) == 2
+  assert _cli.main(["export", "--format", "deepspeed", src, str(run), "--overwrite"]) == 2
   assert "not an earlier ucp_jax export" in capsys.readouterr().err
   assert _snapshot(run) == before
 
@@ -324,13 +330,13 @@ def test_overwrite_refuses_a_deepspeed_training_folder(tmp_path, capsys):
 def test_overwrite_refuses_an_export_something_else_wrote_into(tmp_path):
   src = F.fixture_checkpoint("z1_fp32_dp2", tmp_path / "ckpt")
   dst = tmp_path / "ds"
-  ucp_jax.export(src, dst)
+  ucp_jax.export(src, dst, format="deepspeed")
   (dst / "latest").write_text("global_step4")  # a DeepSpeed run saved into the export
   (dst / "global_step4").mkdir()
   (dst / TAG / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
   before = _snapshot(dst)
   with pytest.raises(ucp_jax.CheckpointExistsError) as e:
-    ucp_jax.export(src, dst, overwrite=True)
+    ucp_jax.export(src, dst, overwrite=True, format="deepspeed")
   assert str(e.value).endswith(
     "in the way:\n"
     "  global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt\n"
@@ -341,7 +347,9 @@ def test_overwrite_refuses_an_export_something_else_wrote_into(tmp_path):
   (dst / "latest").unlink()
   (dst / "global_step4").rmdir()
   (dst / TAG / "zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink()
-  ucp_jax.export(src, dst, overwrite=True, tag="again")  # an export again: replaced
+  ucp_jax.export(
+    src, dst, format="deepspeed", overwrite=True, tag="again"
+  )  # an export again: replaced
   assert sorted(os.listdir(dst)) == ["again", "latest_universal", "ucp_export.json"]
 
 
@@ -350,7 +358,7 @@ def test_failure_leaves_the_old_export_and_no_staging(tmp_path, monkeypatch):
   import torch
 
   src = F.fixture_checkpoint("z1_fp32_dp2", tmp_path / "ckpt")
-  ucp_jax.export(src, tmp_path / "ds", tag="old")
+  ucp_jax.export(src, tmp_path / "ds", tag="old", format="deepspeed")
   calls = []
 
   def failing_save(obj, path, *args, **kwargs):
@@ -364,7 +372,7 @@ def test_failure_leaves_the_old_export_and_no_staging(tmp_path, monkeypatch):
   for dst, overwrite in ((tmp_path / "ds", True), (tmp_path / "new", False)):
     calls.clear()
     with pytest.raises(OSError, match="disk full"):
-      ucp_jax.export(src, dst, overwrite=overwrite)
+      ucp_jax.export(src, dst, overwrite=overwrite, format="deepspeed")
   assert sorted(os.listdir(tmp_path)) == ["ckpt", "ds"]  # no `new`, no staging left behind
   assert (tmp_path / "ds" / "latest_universal").read_text() == "old"
 
@@ -379,10 +387,10 @@ def test_concurrent_export_is_turned_away_and_dead_staging_removed(tmp_path):
   lock.acquire()
   try:
     with pytest.raises(ucp_jax.ConcurrentWriteError, match="another save to this path"):
-      ucp_jax.export(src, tmp_path / "ds")
+      ucp_jax.export(src, tmp_path / "ds", format="deepspeed")
   finally:
     lock.release()
-  ucp_jax.export(src, tmp_path / "ds")
+  ucp_jax.export(src, tmp_path / "ds", format="deepspeed")
   assert sorted(os.listdir(tmp_path)) == ["ckpt", "ds"]
 
 
@@ -390,7 +398,7 @@ def test_torch_missing(tmp_path, monkeypatch):
   src = F.fixture_checkpoint("z1_fp32_dp2", tmp_path / "ckpt")
   monkeypatch.setitem(sys.modules, "torch", None)
   with pytest.raises(_deepspeed.MissingDependencyError) as e:
-    ucp_jax.export(src, tmp_path / "ds")
+    ucp_jax.export(src, tmp_path / "ds", format="deepspeed")
   assert isinstance(e.value, ImportError) and isinstance(e.value, ucp_jax.UcpError)
   assert "pip install 'ucp_jax[torch]'" in str(e.value)
   assert not (tmp_path / "ds").exists()
@@ -406,28 +414,31 @@ def test_sgd_has_no_zero3_layout(tmp_path):
       entry["slots"] = {"momentum_buffer": entry["value"].replace("params/", "momentum_buffer/")}
   schema["optimizer"]["type"] = "sgd"
   src = ucp_jax.save(tmp_path / "ckpt", tree, schema=schema)
-  report = ucp_jax.export(src, tmp_path / "ds")
+  report = ucp_jax.export(src, tmp_path / "ds", format="deepspeed")
   assert report.zero_stages == (1, 2)
   assert report.notes[-1] == "no ZeRO-3 files: its loader needs exp_avg and exp_avg_sq (sgd)"
   assert _dirs(tmp_path / "ds" / TAG)["fc1.weight"] == {"fp32.pt", "momentum_buffer.pt", "step.pt"}
   with pytest.raises(ucp_jax.MappingError, match="ZeRO-3 universal loader reads exactly fp32"):
-    ucp_jax.export(src, tmp_path / "ds3", zero_stage=3)
+    ucp_jax.export(src, tmp_path / "ds3", zero_stage=3, format="deepspeed")
 
 
 @needs_torch
 def test_cli(tmp_path, capsys):
   src = F.fixture_checkpoint("z3_bf16_dp3", tmp_path / "ckpt")
-  assert _cli.main(["export", src, str(tmp_path / "ds"), "--zero-stage", "3"]) == 0
+  assert (
+    _cli.main(["export", "--format", "deepspeed", src, str(tmp_path / "ds"), "--zero-stage", "3"])
+    == 0
+  )
   out = capsys.readouterr().out
   assert out.startswith(
     f"{tmp_path / 'ds'}: DeepSpeed universal checkpoint global_step3 (step 3) for ZeRO-3 "
     "targets: 7 trainable params, 1 frozen, 1 buffers, 1 tied; 11.4 KiB in "
   )
   assert out.count("  note: ") == 2
-  assert _cli.main(["export", src, str(tmp_path / "ds")]) == 2
+  assert _cli.main(["export", "--format", "deepspeed", src, str(tmp_path / "ds")]) == 2
   assert "an export exists already" in capsys.readouterr().err
   plain = ucp_jax.save(tmp_path / "plain", {"w": np.ones(2)})
-  assert _cli.main(["export", plain, str(tmp_path / "ds2")]) == 2
+  assert _cli.main(["export", "--format", "deepspeed", plain, str(tmp_path / "ds2")]) == 2
   assert "has no parameter schema" in capsys.readouterr().err
 
 
@@ -447,7 +458,9 @@ def exports(tmp_path_factory) -> dict[str, str]:
   out = {}
   for name in ("z2_fp32_dp2", "z3_fp32_dp2", "bf16opt_dp2"):
     kind = "convert" if converted and name == "z3_fp32_dp2" else "universal"
-    out[name] = ucp_jax.export(_source(kind, name, root / f"{name}.ucp"), root / name).path
+    out[name] = ucp_jax.export(
+      _source(kind, name, root / f"{name}.ucp"), root / name, format="deepspeed"
+    ).path
   return out
 
 

@@ -178,7 +178,7 @@ def _export(run, path, dst, sgd: bool):
   groups = ucp_jax.open(run.save(path)).manifest.schema["optimizer"]["groups"]
   hyper = [SGD_HYPER if sgd else {"lr": 0.01}] * len(groups)
   run.save(path, hyperparams=hyper, overwrite=True)
-  return ucp_jax.export(path, dst, rules=RULES)
+  return ucp_jax.export(path, dst, rules=RULES, format="deepspeed")
 
 
 TRAINABLE_NAMES = [n for group in F.info(NAME)["param_groups"] for n in group["names"]]
@@ -259,7 +259,7 @@ def test_state_deepspeed_has_no_names_for_moves_between_meshes(
   assert _max_diff(b.params(), a.params()) <= 1e-6
   pytest.importorskip("torch")
   with pytest.raises(ucp_jax.MappingError) as e:
-    ucp_jax.export(tmp_path / "a", tmp_path / "ds", rules=RULES)
+    ucp_jax.export(tmp_path / "a", tmp_path / "ds", rules=RULES, format="deepspeed")
   assert f"(optax {JAX_ONLY_STATES[name]} of " in str(e.value)
   assert not (tmp_path / "ds").exists()
 
@@ -421,7 +421,7 @@ def test_live_deepspeed_continues_exported_forms(tmp_path, converted):
     run.restore(converted, rules=RULES)
     _jax_step(run, ids, targets)
     run.save(tmp_path / name, hyperparams=hyper)
-    ucp_jax.export(tmp_path / name, tmp_path / f"ds_{name}", rules=RULES)
+    ucp_jax.export(tmp_path / name, tmp_path / f"ds_{name}", rules=RULES, format="deepspeed")
     loss = run.loss(ids, targets)
     _jax_step(run, ids, targets)
     expected[name] = (loss, run.loss(ids, targets))
@@ -469,7 +469,7 @@ def test_errors_name_the_optax_state(tmp_path, converted):
   path = lion.save(tmp_path / "lion", hyperparams={"lr": 1e-3})
   pytest.importorskip("torch")
   with pytest.raises(ucp_jax.MappingError) as e:
-    ucp_jax.export(path, tmp_path / "ds", rules=RULES)
+    ucp_jax.export(path, tmp_path / "ds", rules=RULES, format="deepspeed")
   assert str(e.value) == (
     f"{path}: cannot export: 1 problem(s) in the parameter schema:\n"
     "  `optimizer/opt_state/0` (optax ScaleByLionState: mu of 7 parameter(s)): DeepSpeed has no "

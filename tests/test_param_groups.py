@@ -253,7 +253,7 @@ def _export(converted, order, tmp_path):
   by_label = dict(zip(labels, HYPER))
   hyper = [by_label[label] for label in sorted(labels)]  # Optax's group order: labels sorted
   ucp_jax.save_train_state(tmp_path / "jax", model, opt, hyperparams=hyper)
-  report = ucp_jax.export(tmp_path / "jax", tmp_path / "ds", rules=RULES)
+  report = ucp_jax.export(tmp_path / "jax", tmp_path / "ds", rules=RULES, format="deepspeed")
   return model, opt, report
 
 

@@ -62,7 +62,7 @@ def test_tp2_autotp_checkpoint_loads_at_tp1_and_tp2_with_the_same_forward(tmp_pa
     reference = np.array(json.load(f)["reference_logits"], np.float32)
   converted = tmp_path / "converted"
   ucp_jax.convert(os.path.join(FIXTURES, name, "ckpt"), converted)
-  ucp_jax.export(converted, tmp_path / "ds")
+  ucp_jax.export(converted, tmp_path / "ds", format="deepspeed")
   ckpt = ucp_jax.open(converted)
   for tp in (1, 2):
     out = tmp_path / f"tp{tp}.pt"

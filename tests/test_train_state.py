@@ -228,8 +228,8 @@ def test_flax_train_state_exports_to_deepspeed_names_and_layouts(tmp_path):
   hyper = {"lr": 1e-3, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.1}
   ucp_jax.save_train_state(tmp_path / "jax", model, opt, hyperparams=hyper)
   with pytest.raises(ucp_jax.MappingError, match="rules="):
-    ucp_jax.export(tmp_path / "jax", tmp_path / "ds")
-  report = ucp_jax.export(tmp_path / "jax", tmp_path / "ds", rules=rules)
+    ucp_jax.export(tmp_path / "jax", tmp_path / "ds", format="deepspeed")
+  report = ucp_jax.export(tmp_path / "jax", tmp_path / "ds", rules=rules, format="deepspeed")
   assert report.step == 1 and report.tied == {"lm_head.weight": "wte.weight"}
   zero = tmp_path / "ds" / report.tag / "zero"
   torch_values = rules.export_arrays(nnx.state(model, nnx.Param))
@@ -247,12 +247,33 @@ def test_flax_train_state_exports_to_deepspeed_names_and_layouts(tmp_path):
 
   assert (
     _cli.main(
-      ["export", str(tmp_path / "jax"), str(tmp_path / "ds2"), "--rules", "gpt2:num_heads=4"]
+      [
+        "export",
+        "--format",
+        "deepspeed",
+        str(tmp_path / "jax"),
+        str(tmp_path / "ds2"),
+        "--rules",
+        "gpt2:num_heads=4",
+      ]
     )
     == 0
   )
   assert (tmp_path / "ds2" / report.tag / "zero" / "h.1.mlp.fc.weight" / "fp32.pt").exists()
-  assert _cli.main(["export", str(tmp_path / "jax"), str(tmp_path / "ds3"), "--rules", "bert"]) == 2
+  assert (
+    _cli.main(
+      [
+        "export",
+        "--format",
+        "deepspeed",
+        str(tmp_path / "jax"),
+        str(tmp_path / "ds3"),
+        "--rules",
+        "bert",
+      ]
+    )
+    == 2
+  )
 
 
 def _saved_with(tmp_path, tx, name="c"):
@@ -316,6 +337,8 @@ def test_linen_params_only_keeps_the_new_optimizer(tmp_path):
   with pytest.raises(ucp_jax.MappingError, match="opt_state/0: optax ScaleByAdamState"):
     ucp_jax.restore_train_state(tmp_path / "c", blank)
   restored = ucp_jax.restore_train_state(tmp_path / "c", blank, params_only=True)
-  np.testing.assert_array_equal(restored.params["params"]["kernel"], state.params["params"]["kernel"])
+  np.testing.assert_array_equal(
+    restored.params["params"]["kernel"], state.params["params"]["kernel"]
+  )
   assert int(restored.step) == 0
   assert type(restored.opt_state[0]).__name__ == "ScaleByBeliefState"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 
@@ -88,8 +89,24 @@ class Reporter:
 
 
 def _open(path: str, source: str | None = None) -> _reader.Checkpoint:
-  """Opens a ucp_jax checkpoint, or any other format a source recognizes (read-only)."""
-  return _reader.open(path, source=source)
+  """Opens a ucp_jax checkpoint, or any other format a source recognizes (read-only).
+
+  A folder that is neither is explained by the sources (what each looks for, what is there),
+  not as a ucp_jax checkpoint missing its manifest.
+  """
+  try:
+    return _reader.open(path, source=source)
+  except _errors.CheckpointNotFoundError:
+    from ucp_jax.sources import _registry
+    from ucp_jax.store import _location
+
+    ours = os.path.isdir(path) and (
+      os.path.lexists(os.path.join(path, "manifest.json")) or _location.staging_dirs(path)
+    )
+    if "://" in str(path) or not os.path.isdir(path) or ours:
+      raise  # no folder, a file, or a save's (unfinished, or staged): said as it is
+    _registry.find(path)  # raises what no source recognized
+    raise
 
 
 @_command
@@ -474,7 +491,7 @@ def build_parser() -> argparse.ArgumentParser:
   p = sub.add_parser("export", help="a checkpoint -> another framework's format")
   p.add_argument("checkpoint", help="a checkpoint with a parameter schema")
   p.add_argument("dst", help="where the export goes")
-  p.add_argument("--format", default="deepspeed", choices=sorted(sinks.SINKS))
+  p.add_argument("--format", required=True, choices=sorted(sinks.SINKS), help="the format to write")
   p.add_argument(
     "--zero-stage", type=int, choices=[1, 2, 3], help="deepspeed: target ZeRO stage (default: all)"
   )

@@ -22,7 +22,7 @@ def export(
   ckpt: str | os.PathLike | _reader.Checkpoint,
   dst: str | os.PathLike,
   *,
-  format: str = "deepspeed",
+  format: str,
   overwrite: bool = False,
   rules: Any = None,
   progress: Callable[[str, int, int], None] | None = None,
@@ -41,14 +41,15 @@ def export(
 
   Example:
     >>> import ucp_jax
-    >>> report = ucp_jax.export("ckpt", "ds_universal")  # doctest: +SKIP
+    >>> report = ucp_jax.export("ckpt", "ds_universal", format="deepspeed")  # doctest: +SKIP
     >>> report.tag, report.zero_stages  # doctest: +SKIP
     ('global_step3', (1, 2, 3))
 
   Args:
     ckpt: a checkpoint path or an open `Checkpoint`.
     dst: local directory to create (`dst/<tag>/...` and `dst/latest_universal`).
-    format: the sink: "deepspeed" (a DeepSpeed universal checkpoint).
+    format: the sink, always named: "deepspeed" (a DeepSpeed universal checkpoint), "hf",
+      "dcp" or "orbax" (docs/export.md).
     overwrite: replace an existing export at `dst`.
     rules: for a checkpoint with Flax names (`save_train_state`), the `ucp_jax.rules`
       rule set from torch names to the model's keys; it runs backwards to give DeepSpeed

@@ -98,6 +98,12 @@ def find(path: str | os.PathLike, name: str | None = None) -> Source:
   if "://" not in text and not os.path.exists(text):
     raise _errors.SourceFormatError(f"{text}: no such file or directory")
   source = sniff(text)
+  if source is None and os.path.isfile(os.path.join(text, "manifest.json")):
+    raise _errors.SourceFormatError(
+      f"{text}: already a ucp_jax checkpoint (it has a manifest.json): there is nothing to "
+      "convert; read it as it is (ucp_jax.open, ucp_jax.restore), copy it, or write another "
+      "format with `ucp export`"
+    )
   if source is None:
     looked_for = "; ".join(get(n).DESCRIPTION for n in SOURCES)
     found = ""
