@@ -189,3 +189,49 @@ def test_export_says_when_rules_are_not_used(tmp_path, capsys):
     == 2
   )
   assert "pass --overwrite to replace it" in capsys.readouterr().err
+
+
+def test_inspect_piped_shows_whole_keys_and_the_parameter_groups(tmp_path):
+  import optax
+  from flax import nnx
+
+  class Wide(nnx.Module):
+    def __init__(self, rngs):
+      name = "a_module_with_a_name_far_longer_than_any_terminal_is_wide_" * 2
+      setattr(self, name, nnx.Linear(2, 3, rngs=rngs))
+
+  model = Wide(nnx.Rngs(0))
+  tx = optax.adamw(1e-3, weight_decay=0.05)
+  ucp_jax.save_train_state(tmp_path / "c", model, nnx.Optimizer(model, tx, wrt=nnx.Param))
+  run = subprocess.run(
+    [sys.executable, "-m", "ucp_jax._cli", "inspect", str(tmp_path / "c")],
+    capture_output=True,
+    text=True,
+  )
+  assert run.returncode == 0, run.stderr
+  long_key = "model/" + "a_module_with_a_name_far_longer_than_any_terminal_is_wide_" * 2 + "/kernel"
+  assert long_key in run.stdout  # a pipe is no 80-column terminal: nothing cut
+  assert "parameters: 2 (0 frozen), named the flax way; optimizer adamw, step 0" in run.stdout
+  assert re.search(r"group 0: 2 parameters; lr 0.001, betas .*weight_decay 0.05", run.stdout)
+
+
+def test_ctrl_c_while_the_command_starts_prints_no_traceback():
+  # the signal arrives while the package imports: deterministic, not a race with a timer
+  code = (
+    "import os, signal, sys\n"
+    "sys.argv = ['/venv/bin/ucp', 'inspect', 'x']\n"
+    "import ucp_jax._startup\n"
+    "os.kill(os.getpid(), signal.SIGINT)\n"
+    "import ucp_jax._cli\n"
+    "print('not reached')\n"
+  )
+  run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+  assert run.returncode == 130 and run.stderr == "interrupted\n" and not run.stdout
+
+
+def test_diff_says_how_many_keys_it_did_not_list(tmp_path, capsys):
+  ucp_jax.save(tmp_path / "a", {f"k{i}": np.ones(2) for i in range(25)})
+  ucp_jax.save(tmp_path / "b", {"k0": np.ones(2)})
+  assert _cli.main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+  out = capsys.readouterr().out
+  assert out.count("  only in ") == 20 and f"... and 4 more only in {tmp_path / 'a'}" in out

@@ -239,18 +239,26 @@ def test_every_schema_problem_listed(tmp_path):
 
 def test_bad_schema_header(tmp_path):
   tree, schema = F.fixture_state("z1_fp32_dp2")
-  schema.update(version=2, naming="flax", optimizer={"type": "adamw", "step": -1, "groups": []})
+  schema.update(version=2, optimizer={"type": "adamw", "step": -1, "groups": []})
   src = ucp_jax.save(tmp_path / "ckpt", tree, schema=schema)
   with pytest.raises(ucp_jax.MappingError) as e:
     ucp_jax.export(src, tmp_path / "ds", format="deepspeed")
   problems = str(e.value).splitlines()[1:]
-  assert problems[:4] == [
+  assert problems[:3] == [
     "  schema version 2; this ucp_jax exports version 1",
-    "  schema naming 'flax': DeepSpeed needs torch names and layouts ([out, in] Linear weights); "
-    "pass rules=... (e.g. ucp_jax.rules.gpt2(num_heads=...)) to map them back",
     "  optimizer `groups`: expected a non-empty list of hyperparameter dicts",
     "  optimizer step -1: expected an integer >= 0",
   ]
+  schema.update(version=1, naming="flax")  # every name wrong for one reason: said once
+  src = ucp_jax.save(tmp_path / "flax", tree, schema=schema)
+  for format in ("deepspeed", "hf", "dcp"):
+    with pytest.raises(ucp_jax.MappingError) as e:
+      ucp_jax.export(src, tmp_path / format, format=format)
+    assert str(e.value) == (
+      f"{src}: cannot export: the parameters have flax names; the export needs torch names and "
+      "layouts ([out, in] Linear weights): pass rules=... (--rules; e.g. "
+      "ucp_jax.rules.gpt2(num_heads=...), or hf with the model's config.json) to map them back"
+    )
 
 
 @pytest.mark.parametrize("stage", [0, 4, True, "3"])

@@ -342,3 +342,21 @@ def test_linen_params_only_keeps_the_new_optimizer(tmp_path):
   )
   assert int(restored.step) == 0
   assert type(restored.opt_state[0]).__name__ == "ScaleByBeliefState"
+
+
+def test_plain_optax_hyperparameters_are_read_from_the_optimizer(tmp_path):
+  for tx, kind, group in (
+    (optax.adamw(1e-3, weight_decay=0.05), "adamw", {"lr": 1e-3, "weight_decay": 0.05}),
+    (optax.adam(3e-4, b1=0.8), "adam", {"lr": 3e-4, "betas": [0.8, 0.999], "eps": 1e-8}),
+    (optax.sgd(0.1, momentum=0.9), "sgd", {"lr": 0.1, "momentum": 0.9}),
+    (optax.adamw(optax.linear_schedule(1e-3, 0.0, 10)), "adamw", {"weight_decay": 1e-4}),
+  ):
+    model = MLP(nnx.Rngs(0))
+    ucp_jax.save_train_state(
+      tmp_path / kind, model, nnx.Optimizer(model, tx, wrt=nnx.Param), overwrite=True
+    )
+    optimizer = ucp_jax.open(tmp_path / kind).manifest.schema["optimizer"]
+    assert optimizer["type"] == kind
+    assert group.items() <= optimizer["groups"][0].items(), optimizer["groups"]
+    if "lr" not in group:
+      assert "lr" not in optimizer["groups"][0]  # a schedule is no number: not guessed

@@ -5,6 +5,7 @@ TensorStore, plus a manifest), never the layout that wrote them: save from any
 mesh, restore onto any other, and convert PyTorch/DeepSpeed checkpoints in and out.
 """
 
+from ucp_jax import _startup  # noqa: F401  (first: Ctrl-C while the `ucp` command starts)
 from ucp_jax import sources as _sources  # noqa: F401  (lets `open` read other formats)
 from ucp_jax._errors import CheckpointExistsError as CheckpointExistsError
 from ucp_jax._errors import CheckpointNotFoundError as CheckpointNotFoundError
@@ -65,6 +66,8 @@ def __getattr__(name: str):
   value = value if attr is None else getattr(value, attr)
   globals()[name] = value
   return value
+
+
 
 
 def __dir__() -> list[str]:

@@ -127,6 +127,7 @@ def cmd_inspect(args, out: Console, err: Console) -> int:
       },
       "total_arrays": len(m.arrays),
       "total_bytes": m.nbytes,
+      "schema": m.schema,
     }
     out.print_json(json.dumps(data))
     return 0
@@ -140,12 +141,33 @@ def cmd_inspect(args, out: Console, err: Console) -> int:
   table.add_section()
   table.add_row(f"{len(m.arrays)} arrays", "", "", _human(m.nbytes))
   out.print(table)
+  for line in _schema_lines(m.schema):
+    out.print(line, markup=False)
   framework = m.source.get("framework", "?")
   if not ckpt.checksummed:
     out.print(f"format: {m.source['format']}, read in place (`ucp convert` makes a copy)")
   else:
     out.print(f"source: {framework}; created {m.created}; format v{m.format_version}")
   return 0
+
+
+def _schema_lines(schema: dict | None) -> list[str]:
+  """What a parameter schema says, in a few lines: the parameters, the optimizer, its groups."""
+  if not isinstance(schema, dict) or not isinstance(schema.get("params"), dict):
+    return []
+  params = [p for p in schema["params"].values() if isinstance(p, dict)]
+  frozen = sum(1 for p in params if p.get("frozen"))
+  optimizer = schema.get("optimizer") if isinstance(schema.get("optimizer"), dict) else {}
+  lines = [
+    f"parameters: {len(params)} ({frozen} frozen), named the {schema.get('naming', 'torch')} "
+    f"way; optimizer {optimizer.get('type', '?')}, step {optimizer.get('step')}"
+  ]
+  groups = optimizer.get("groups") if isinstance(optimizer.get("groups"), list) else []
+  for i, group in enumerate(groups):
+    members = sum(1 for p in params if p.get("group") == i and not p.get("frozen"))
+    shown = ", ".join(f"{k} {v}" for k, v in group.items()) if isinstance(group, dict) else group
+    lines.append(f"  group {i}: {members} parameters; {shown or 'no hyperparameters recorded'}")
+  return lines
 
 
 @_command
@@ -263,6 +285,10 @@ def cmd_export(args, out: Console, err: Console) -> int:
   return 0
 
 
+_SHOWN = 20  # keys present on one side only, listed before "... and N more"
+_ROWS = 50  # arrays in diff's table
+
+
 @_command
 def cmd_diff(args, out: Console, err: Console) -> int:
   from ucp_jax import _diff
@@ -282,20 +308,23 @@ def cmd_diff(args, out: Console, err: Console) -> int:
     data = dataclasses.asdict(report) | {"verdict": report.verdict()}
     out.print_json(json.dumps(data, default=str))
     return 0 if report.same_within_tolerance else 1
-  for key in report.only_a[:20]:
-    out.print(f"  only in {report.a}: {key}", markup=False)
-  for key in report.only_b[:20]:
-    out.print(f"  only in {report.b}: {key}", markup=False)
+  for where, keys in ((report.a, report.only_a), (report.b, report.only_b)):
+    for key in keys[:_SHOWN]:
+      out.print(f"  only in {where}: {key}", markup=False)
+    if len(keys) > _SHOWN:
+      out.print(f"  ... and {len(keys) - _SHOWN} more only in {where} (--json lists all)")
   shown = report.differing if not args.all else report.arrays
   if shown:
     table = Table(title_justify="left")
     for col in ("key", "max abs", "max rel", "elements off", "note"):
       table.add_column(col, justify="left" if col in ("key", "note") else "right")
-    for d in shown[:50]:
+    for d in shown[:_ROWS]:
       table.add_row(
         d.key, f"{d.max_abs:.3g}", f"{d.max_rel:.3g}", str(d.mismatched), d.problem or ""
       )
     out.print(table)
+    if len(shown) > _ROWS:
+      out.print(f"  ... and {len(shown) - _ROWS} more arrays (--json lists all)", markup=False)
   out.print(report.verdict(), markup=False)
   return 0 if report.same_within_tolerance else 1
 
@@ -533,10 +562,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-  args = build_parser().parse_args(argv)
-  out = Console(highlight=False, soft_wrap=True)
+  from ucp_jax import _startup
+
   err = Console(stderr=True, highlight=False, soft_wrap=True)
   try:
+    _startup.done()
+    args = build_parser().parse_args(argv)
+    out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 1 << 16)
     return _COMMANDS[args.command](args, out, err)
   except (_errors.UcpError, OSError) as e:  # bad input: one message; a bug keeps its traceback
     err.print("[red]error:[/red]", escape(_message(e)), highlight=False)

@@ -282,6 +282,49 @@ def group_hyperparams(group: Group, flat: dict[str, Any]) -> dict:
   return out
 
 
+_CLOSURE_HYPERPARAMS = {  # optax function (qualname) -> {its closure variable: torch name}
+  "scale_by_adam.<locals>.update_fn": {"b1": "b1", "b2": "b2", "eps": "eps"},
+  "add_decayed_weights.<locals>.update_fn": {"weight_decay": "weight_decay"},
+  "scale.<locals>.update_fn": {"step_size": "step_size"},
+  "trace.<locals>.update_fn": {"decay": "momentum"},
+}
+
+
+def transformation_hyperparams(tx: Any) -> dict:
+  """The hyperparameters a plain Optax optimizer was built with (`optax.adamw(1e-3,
+  weight_decay=0.1)`: lr, betas, eps, weight_decay), in torch's names, read from the closures
+  of optax's own functions (nothing else holds them); {} where they are not plain numbers
+  (schedules) or the optimizer holds several groups."""
+  found: dict[str, list] = {}
+  seen: set[int] = set()
+  stack = [(getattr(tx, "update", None), 0)]
+  while stack:
+    fn, depth = stack.pop()
+    code = getattr(fn, "__code__", None)
+    if code is None or id(fn) in seen or depth > 8:
+      continue
+    seen.add(id(fn))
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
+    for var, name in _CLOSURE_HYPERPARAMS.get(fn.__qualname__, {}).items():
+      value = cells.get(var)
+      if isinstance(value, (int, float)) and not isinstance(value, bool):
+        found.setdefault(name, []).append(float(value))
+    for value in cells.values():
+      for item in value if isinstance(value, (tuple, list)) else (value,):
+        if callable(item):
+          stack.append((item, depth + 1))
+  if any(len(values) > 1 for values in found.values()):
+    return {}  # several states of a kind: groups, not one optimizer
+  one = {k: v[0] for k, v in found.items()}
+  out: dict[str, Any] = {}
+  if "step_size" in one and one["step_size"] < 0:
+    out["lr"] = -one["step_size"]
+  if "b1" in one and "b2" in one:
+    out["betas"] = [one["b1"], one["b2"]]
+  out.update((k, one[k]) for k in ("eps", "weight_decay", "momentum") if k in one)
+  return out
+
+
 def hyperparam_keys(group: Group, torch_hyper: dict[str, Any], keys: set[str]) -> dict[str, Any]:
   """{state key: value}: torch hyperparameters for a group's `inject_hyperparams` state."""
   prefix = group.hyperparams_prefix

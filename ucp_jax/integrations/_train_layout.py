@@ -112,6 +112,8 @@ def schema(flat: dict[str, Any], layout: Layout, hyperparams: Any) -> dict:
   """The universal schema of a save of `flat` (the layout's leaves, placeholders left out)."""
   slots = layout.slots()
   groups = [_optax.group_hyperparams(g, flat) for g in slots.groups] or [{}]
+  if len(groups) == 1 and layout.tx is not None:  # a plain optax.adamw(...): its own numbers
+    groups = [{**_optax.transformation_hyperparams(layout.tx), **groups[0]}]
   given = hyperparams if isinstance(hyperparams, list) else [hyperparams or {}] * len(groups)
   if len(given) != len(groups):
     raise _errors.MappingError(

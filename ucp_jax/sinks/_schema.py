@@ -79,11 +79,7 @@ def plan(ckpt: _reader.Checkpoint) -> ExportPlan:
   if version != SCHEMA_VERSION:
     problems.append(f"schema version {version!r}; this ucp_jax exports version {SCHEMA_VERSION}")
   naming = schema.get("naming", "torch")
-  if naming != "torch":
-    problems.append(
-      f"schema naming {naming!r}: DeepSpeed needs torch names and layouts ([out, in] Linear "
-      "weights); pass rules=... (e.g. ucp_jax.rules.gpt2(num_heads=...)) to map them back"
-    )
+  _check_torch_names(ckpt, naming)
   optimizer = schema.get("optimizer")
   if not isinstance(optimizer, dict):
     problems.append("no `optimizer` entry (type, step, groups)")
@@ -124,6 +120,17 @@ def plan(ckpt: _reader.Checkpoint) -> ExportPlan:
   )
 
 
+def _check_torch_names(ckpt: _reader.Checkpoint, naming: Any) -> None:
+  """Raises unless the schema names parameters the torch way (then every name would be wrong
+  for this one reason: it is said once, not once per parameter)."""
+  if naming != "torch":
+    raise _errors.MappingError(
+      f"{ckpt.location}: cannot export: the parameters have {naming} names; the export needs "
+      "torch names and layouts ([out, in] Linear weights): pass rules=... (--rules; e.g. "
+      "ucp_jax.rules.gpt2(num_heads=...), or hf with the model's config.json) to map them back"
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class WeightsPlan:
   """The model's arrays only (for formats without optimizer state), checked like `plan`'s."""
@@ -152,11 +159,7 @@ def weights(ckpt: _reader.Checkpoint) -> WeightsPlan:
     )
   problems: list[str] = []
   checker = _Checker(ckpt, problems)
-  if schema.get("naming", "torch") != "torch":
-    problems.append(
-      f"schema naming {schema.get('naming')!r}: the export needs torch names and layouts; pass "
-      "rules=... (e.g. ucp_jax.rules.gpt2(num_heads=...)) to map them back"
-    )
+  _check_torch_names(ckpt, schema.get("naming", "torch"))
   params = schema.get("params")
   if not isinstance(params, dict) or not params:
     problems.append("no `params` entry, or an empty one")
