@@ -117,3 +117,37 @@ def test_verdicts_on_edge_values(tmp_path, x, y, verdict):
   for tolerance in ({}, {"atol": 0.5}):
     got = ucp_jax.diff(a, b, **tolerance).verdict()
     assert got.startswith(verdict), (tolerance, got)
+
+
+def test_a_hugging_face_folder_against_the_training_state_it_became(tmp_path, capsys):
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  import optax
+  from flax import nnx
+
+  from ucp_jax import models, rules
+
+  torch.manual_seed(0)
+  config = transformers.LlamaConfig(
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+  )
+  hf = transformers.LlamaForCausalLM(config)
+  hf.save_pretrained(tmp_path / "hf")
+  rs, cfg = rules.from_hf(tmp_path / "hf")
+  state = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
+  model = rules.load_into(models.build(cfg, rngs=nnx.Rngs(1)), state, rs)
+  ucp_jax.save_train_state(
+    tmp_path / "jax", model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+  )
+  report = ucp_jax.diff(tmp_path / "jax", tmp_path / "hf", rules="hf")  # model/... vs HF names
+  assert report.same_within_tolerance and len(report.arrays) == len(rs.map_names(list(state)))
+  assert _cli.main(["diff", str(tmp_path / "jax"), str(tmp_path / "hf"), "--rules", "hf"]) == 0
+  config_file = str(tmp_path / "hf" / "config.json")
+  argv = ["diff", str(tmp_path / "jax"), str(tmp_path / "hf"), "--rules", "hf", "--config"]
+  assert _cli.main([*argv, config_file]) == 0
+  assert "identical" in capsys.readouterr().out

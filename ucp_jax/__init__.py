@@ -46,7 +46,7 @@ _LAZY = {
   "ExportReport": ("ucp_jax.sinks._report", "ExportReport"),
   "DiffReport": ("ucp_jax._diff", "DiffReport"),
   "diff": ("ucp_jax._diff", "diff"),
-  "export": ("ucp_jax.sinks._export", "export"),
+  "export": ("ucp_jax._api", "export"),
   "reshard": ("ucp_jax.tree._reshard", "reshard"),
   "restore": ("ucp_jax.tree._restore", "restore"),
   "save": ("ucp_jax.tree._save", "save"),

@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from ucp_jax import _errors
+from ucp_jax import _errors, _rule_specs
 from ucp_jax.store import _reader
 
 _COMMANDS = {}
@@ -262,7 +262,7 @@ def _convert_argv(args) -> list[str]:
 def cmd_export(args, out: Console, err: Console) -> int:
   from ucp_jax.sinks import _export
 
-  rules = _rule_set(args.rules, args.checkpoint, args.config)
+  rules = _rule_specs.parse(args.rules, args.checkpoint, args.config)
   names = ("zero_stage", "tag", "config", "max_shard_size", "dtype")
   options = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
   options.update(_options(args.option))
@@ -293,7 +293,7 @@ _ROWS = 50  # arrays in diff's table
 def cmd_diff(args, out: Console, err: Console) -> int:
   from ucp_jax import _diff
 
-  rules = _rule_set(args.rules, args.b)
+  rules = _rule_specs.parse(args.rules, args.b, args.config, flax_side=args.a)
   with Reporter(err, "diff") as progress:
     report = _diff.diff(
       args.a,
@@ -350,105 +350,6 @@ def _outlives_process(dst: str) -> None:
       f"{dst}: a memory:// checkpoint would vanish when ucp exits; write to a directory or to "
       "a gs:// or s3:// URL"
     )
-
-
-def _rule_set(spec: str | None, checkpoint: str | None = None, config: str | None = None):
-  """The rule set `--rules` names (None without one).
-
-  - a ready set and its options: `gpt2:num_heads=4`, `llama:...`, `hf_gpt2:...`, `hf_llama:...`;
-  - `hf[:stacked=true,prefix=...,config=PATH]`: `ucp_jax.rules.from_hf` on `config=`, else
-    `config` (`--config`), else the config.json `checkpoint` recorded; `stacked` defaults
-    to what `checkpoint`'s Flax keys show;
-  - `module:function[:options]`: what `module.function(**options)` returns (the current
-    directory is searched for `module` too).
-  Options are `key=value` separated by commas; values are integers, floats, true/false, or
-  text.
-  """
-  if not spec:
-    return None
-  from ucp_jax import rules
-
-  ready = {"gpt2": rules.gpt2, "llama": rules.llama, "hf_gpt2": rules.hf_gpt2}
-  ready |= {"hf_llama": rules.hf_llama, "hf": None}
-  name, _, options = spec.partition(":")
-  if name in ready:
-    factory = ready[name]
-  elif options:
-    function, _, options = options.partition(":")
-    factory = _import(spec, name, function)
-  else:
-    raise _errors.MappingError(
-      f"--rules {spec!r}: not a ready rule set ({', '.join(ready)}) nor module:function"
-    )
-  kwargs = _rule_options(spec, options, text_ok=name not in ready)
-  if name == "hf":
-    return _hf_rule_set(spec, kwargs, checkpoint, config)
-  try:
-    made = factory(**kwargs)
-  except TypeError as e:
-    raise _errors.MappingError(f"--rules {spec!r}: {e}") from None
-  made = made[0] if isinstance(made, tuple) and made else made  # (rules, config), as from_hf
-  if not isinstance(made, rules.RuleSet):
-    raise _errors.MappingError(f"--rules {spec!r} made a {type(made).__name__}, not a RuleSet")
-  return made
-
-
-def _rule_options(spec: str, options: str, *, text_ok: bool) -> dict:
-  kwargs = {}
-  for item in filter(None, options.split(",")):
-    key, _, value = item.partition("=")
-    if value.lower() in ("true", "false"):
-      kwargs[key] = value.lower() == "true"
-      continue
-    for kind in (int, float):
-      try:
-        kwargs[key] = kind(value)
-        break
-      except ValueError:
-        pass
-    else:
-      if not text_ok and key not in ("prefix", "config"):
-        raise _errors.MappingError(f"--rules {spec!r}: {key}={value!r} is not an integer")
-      kwargs[key] = value
-  return kwargs
-
-
-def _import(spec: str, module: str, function: str):
-  import importlib
-  import os
-
-  if os.getcwd() not in sys.path:  # `ucp` is a script: its own folder is searched, not ours
-    sys.path.append(os.getcwd())
-  try:
-    return getattr(importlib.import_module(module), function)
-  except ModuleNotFoundError as e:
-    raise _errors.MappingError(f"--rules {spec!r}: no module {e.name!r} to import") from None
-  except AttributeError:
-    raise _errors.MappingError(f"--rules {spec!r}: module {module} has no {function!r}") from None
-
-
-def _hf_rule_set(spec: str, kwargs: dict, checkpoint: str | None, config: str | None):
-  import re
-
-  from ucp_jax import rules
-
-  source = kwargs.pop("config", None) or config or checkpoint
-  unknown = [k for k in kwargs if k not in ("stacked", "prefix")]
-  problems = [f"{k} is not an option of hf (stacked, prefix, config)" for k in unknown]
-  if source is None:
-    problems.append("no config.json to read: pass hf:config=PATH")
-  if problems:
-    raise _errors.MappingError(f"--rules {spec!r}: " + "; ".join(problems))
-  if "stacked" not in kwargs and checkpoint is not None:
-    keys = _reader.open(checkpoint).keys()
-    layered = any(re.search(r"(^|/)(layers|blocks)/\d+/", k) for k in keys)
-    kwargs["stacked"] = not layered and any(re.search(r"(^|/)(layers|blocks)/", k) for k in keys)
-  try:
-    return rules.from_hf(source, **kwargs)[0]
-  except _errors.MappingError as e:
-    if "recorded no Hugging Face config.json" in str(e):
-      raise _errors.MappingError(f"--rules {spec!r}: {e} (hf:config=PATH or --config)") from None
-    raise
 
 
 @_command
@@ -548,7 +449,10 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("a", help="a checkpoint, DeepSpeed folder, Hugging Face folder, ...")
   p.add_argument("b", help="the other one")
   p.add_argument("--rules", help="a rule set mapping B's names onto A's keys (as for export)")
-  p.add_argument("--subtree", help="with --rules: the key prefix both sides share (params)")
+  p.add_argument("--config", help="with --rules hf: the model's config.json (default: B's own)")
+  p.add_argument(
+    "--subtree", help="with --rules: the key prefix of A's parameters (default: from its schema)"
+  )
   p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0)")
   p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
   p.add_argument(

@@ -9,6 +9,7 @@ layouts onto the first's keys (a Flax checkpoint against the PyTorch folder it c
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from ucp_jax import _rule_specs
 from ucp_jax.store import _reader
 
 _BLOCK_BYTES = 32 << 20
@@ -116,42 +118,54 @@ def diff(
 
   Args:
     a, b: checkpoints (paths or open checkpoints) of any format `ucp_jax.open` reads.
-    rules: a `ucp_jax.rules.RuleSet` that maps `b`'s names and layouts onto `a`'s keys.
-    subtree: with `rules`, the key prefix both sides' mapped arrays live under (default
-      `params` when `a` has keys there, else the whole checkpoint).
+    rules: a `ucp_jax.rules.RuleSet` that maps `b`'s names and layouts onto `a`'s keys, or
+      its name as `--rules` takes it (`"hf"`: from `b`'s config.json; docs/mapping.md).
+    subtree: with `rules`, the key prefix of `a`'s parameters (default: the prefix its
+      schema gives them, `model` for an NNX training state; else `params` when `a` has keys
+      there; else the whole checkpoint). `b`'s mapped parameters are found likewise.
     atol, rtol: an element matches when |a - b| <= atol + rtol * |b|; the defaults ask
       for equal values (NaN matches NaN).
     progress: called as `progress(key, nbytes, total)` after each array.
   """
   ckpt_a, ckpt_b = _reader.open(a), _reader.open(b)
+  rules = _rule_specs.parse(rules, ckpt_b, flax_side=ckpt_a)
+  keys_a = ckpt_a.keys()
+  of_b = {k: k for k in ckpt_b.keys()}  # a's key -> b's key for the same array
   if rules is not None:
-    if subtree is None:
-      subtree = "params" if any(k.startswith("params/") for k in ckpt_a.keys()) else ""
-    ckpt_b = rules.view(ckpt_b, subtree=subtree, partial=True)
-    keys_a = [k for k in ckpt_a.keys() if not subtree or k.startswith(subtree + "/")]
-  else:
-    keys_a = ckpt_a.keys()
-  keys_b = set(ckpt_b.keys())
-  common = [k for k in keys_a if k in keys_b]
+    prefix_a = _params_prefix(ckpt_a) if subtree is None else subtree.strip("/")
+    prefix_b = _params_prefix(ckpt_b)  # where b's parameters live (`params` when converted)
+    ckpt_b = rules.view(ckpt_b, subtree=prefix_b, partial=True)
+    keys_a = [k for k in keys_a if not prefix_a or k.startswith(prefix_a + "/")]
+    of_b = {_under(prefix_a, _below(prefix_b, k)): k for k in ckpt_b.keys()}
+  common = [k for k in keys_a if k in of_b]
   total = sum(ckpt_a[k].nbytes for k in common)
   arrays = []
   for key in common:
-    arrays.append(_compare(ckpt_a, ckpt_b, key, atol, rtol))
+    arrays.append(_compare(ckpt_a, ckpt_b, key, of_b[key], atol, rtol))
     if progress is not None:
       progress(key, ckpt_a[key].nbytes, total)
+  only_b = sorted(of_b[k] for k in set(of_b) - set(keys_a))
   return DiffReport(
     a=str(getattr(ckpt_a, "location", a)),
     b=os.fspath(b) if isinstance(b, (str, os.PathLike)) else str(b),
-    only_a=tuple(k for k in keys_a if k not in keys_b),
-    only_b=tuple(sorted(keys_b - set(keys_a))),
+    only_a=tuple(k for k in keys_a if k not in of_b),
+    only_b=tuple(only_b),
     arrays=tuple(arrays),
     atol=atol,
     rtol=rtol,
   )
 
 
-def _compare(ckpt_a, ckpt_b, key: str, atol: float, rtol: float) -> ArrayDiff:
-  info_a, info_b = ckpt_a[key], ckpt_b[key]
+def _under(prefix: str, key: str) -> str:
+  return f"{prefix}/{key}" if prefix else key
+
+
+def _below(prefix: str, key: str) -> str:
+  return key[len(prefix) + 1 :] if prefix else key
+
+
+def _compare(ckpt_a, ckpt_b, key: str, key_b: str, atol: float, rtol: float) -> ArrayDiff:
+  info_a, info_b = ckpt_a[key], ckpt_b[key_b]
   if tuple(info_a.shape) != tuple(info_b.shape):
     shapes = f"shape {tuple(info_a.shape)} vs {tuple(info_b.shape)}"
     return ArrayDiff(key, shapes, math.inf, math.inf, 0)
@@ -161,7 +175,7 @@ def _compare(ckpt_a, ckpt_b, key: str, atol: float, rtol: float) -> ArrayDiff:
   max_abs = max_rel = 0.0
   mismatched = 0
   for index in _blocks(info_a.shape, max(np.dtype(info_a.dtype).itemsize, 1)):
-    x, y = np.asarray(ckpt_a.read(key, index)), np.asarray(ckpt_b.read(key, index))
+    x, y = np.asarray(ckpt_a.read(key, index)), np.asarray(ckpt_b.read(key_b, index))
     identical = identical and x.tobytes() == y.tobytes()
     delta, scale = _deltas(x, y)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
@@ -206,12 +220,29 @@ def _as_number(array: np.ndarray) -> np.ndarray:
   return array.astype(np.float64)
 
 
+def _params_prefix(ckpt: _reader.Checkpoint) -> str:
+  """Where a checkpoint's parameters live: the prefix its schema's values share (`model` for
+  an NNX training state, `params` for Linen's and converted ones), else `params` if there
+  is such a subtree, else the root."""
+  params = (ckpt.manifest.schema or {}).get("params")
+  values = [p.get("value") for p in params.values() if isinstance(p, dict)] if params else []
+  heads = {v.split("/", 1)[0] for v in values if isinstance(v, str) and "/" in v}
+  if len(heads) == 1:
+    return heads.pop()
+  return "params" if any(k.startswith("params/") for k in ckpt.keys()) else ""
+
+
 def _blocks(shape: tuple[int, ...], itemsize: int):
-  """Indices of row blocks of about `_BLOCK_BYTES` (the whole array when 0-d)."""
+  """Indices of blocks of about `_BLOCK_BYTES` in C order (the whole array when 0-d): row
+  blocks, or parts of rows where a row alone is larger (a (1, 2**30) array is no one block)."""
   if not shape:
     yield ()
     return
-  row = max(1, math.prod(shape[1:]) * itemsize)
+  k = 0  # the dimension cut into steps: the dimensions after it fit in a block whole
+  while k < len(shape) - 1 and math.prod(shape[k + 1 :]) * itemsize > _BLOCK_BYTES:
+    k += 1
+  row = max(1, math.prod(shape[k + 1 :]) * itemsize)
   step = max(1, _BLOCK_BYTES // row)
-  for start in range(0, shape[0], step):
-    yield (slice(start, min(start + step, shape[0])),)
+  for lead in itertools.product(*(range(n) for n in shape[:k])):
+    for start in range(0, shape[k], step):
+      yield (*lead, slice(start, min(start + step, shape[k])))

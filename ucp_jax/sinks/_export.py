@@ -52,7 +52,8 @@ def export(
       "dcp" or "orbax" (docs/export.md).
     overwrite: replace an existing export at `dst`.
     rules: for a checkpoint with Flax names (`save_train_state`), the `ucp_jax.rules`
-      rule set from torch names to the model's keys; it runs backwards to give DeepSpeed
+      rule set from torch names to the model's keys, or its name as `--rules` takes it
+      (`"gpt2:num_heads=4"`, `"hf"`; docs/mapping.md); it runs backwards to give DeepSpeed
       torch names and layouts for every parameter and optimizer slot.
     progress: called as `progress(item, nbytes, total_nbytes)` after each item is written.
     **options: the format's own options. DeepSpeed: `zero_stage` (the target's ZeRO stage:
