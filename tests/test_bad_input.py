@@ -389,3 +389,15 @@ def test_universal_folder_of_a_model_parallel_run_is_refused(tmp_path):
   with pytest.raises(ucp_jax.SourceFormatError, match=r"model-parallel .*mp_rank_01"):
     ucp_jax.convert(src, tmp_path / "out")
   assert not os.listdir(tmp_path)
+
+
+def test_a_key_or_region_that_is_not_there_is_a_ucp_error(ckpt):
+  opened = ucp_jax.open(ckpt)
+  with pytest.raises(ucp_jax.ArrayNotFoundError) as e:
+    opened["b/cc"]
+  assert isinstance(e.value, KeyError) and isinstance(e.value, ucp_jax.UcpError)
+  assert str(e.value) == f"{ckpt}: no array 'b/cc' in this checkpoint (did you mean b/c?)"
+  with pytest.raises(ucp_jax.RegionError, match=r"`a` of shape \(8, 4\): index .* outside"):
+    opened.read("a", np.s_[:, 9])
+  with pytest.raises(IndexError):  # still what numpy code catches
+    opened.read("a", (0, 0, 0))

@@ -7,6 +7,7 @@ mesh, restore onto any other, and convert PyTorch/DeepSpeed checkpoints in and o
 
 from ucp_jax import _startup  # noqa: F401  (first: Ctrl-C while the `ucp` command starts)
 from ucp_jax import sources as _sources  # noqa: F401  (lets `open` read other formats)
+from ucp_jax._errors import ArrayNotFoundError as ArrayNotFoundError
 from ucp_jax._errors import CheckpointExistsError as CheckpointExistsError
 from ucp_jax._errors import CheckpointNotFoundError as CheckpointNotFoundError
 from ucp_jax._errors import ConcurrentWriteError as ConcurrentWriteError
@@ -18,6 +19,7 @@ from ucp_jax._errors import InvalidKeyError as InvalidKeyError
 from ucp_jax._errors import ManifestError as ManifestError
 from ucp_jax._errors import MappingError as MappingError
 from ucp_jax._errors import MissingDependencyError as MissingDependencyError
+from ucp_jax._errors import RegionError as RegionError
 from ucp_jax._errors import ShapeMismatchError as ShapeMismatchError
 from ucp_jax._errors import ShardingError as ShardingError
 from ucp_jax._errors import SourceFormatError as SourceFormatError
@@ -78,6 +80,7 @@ __version__ = "0.1.0"
 
 __all__ = [
   "ArrayInfo",
+  "ArrayNotFoundError",
   "Checkpoint",
   "CheckpointExistsError",
   "CheckpointNotFoundError",
@@ -94,6 +97,7 @@ __all__ = [
   "ManifestError",
   "MappingError",
   "MissingDependencyError",
+  "RegionError",
   "SaveHandle",
   "ShapeMismatchError",
   "ShardingError",

@@ -35,6 +35,17 @@ class TreeMismatchError(UcpError, ValueError):
   """The keys of the target tree and of the checkpoint differ."""
 
 
+class ArrayNotFoundError(UcpError, KeyError):
+  """A key that names no array of the checkpoint (`ckpt["typo"]`)."""
+
+  def __str__(self) -> str:  # a KeyError would show its message quoted, as a key
+    return str(self.args[0]) if self.args else ""
+
+
+class RegionError(UcpError, IndexError):
+  """An index outside an array's shape (`ckpt.read(key, np.s_[100:])` of 10 rows)."""
+
+
 class ShapeMismatchError(UcpError, ValueError):
   """An array's shape in the target differs from the stored one."""
 

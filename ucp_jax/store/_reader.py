@@ -9,8 +9,10 @@ opened with the manifest, so an overwrite during the read cannot mix two saves.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -77,8 +79,12 @@ class Checkpoint:
   def __getitem__(self, key: str) -> _manifest.ArrayInfo:
     try:
       return self.manifest.arrays[key]
-    except KeyError:
-      raise KeyError(f"{self.location}: no array {key!r} in this checkpoint") from None
+    except (KeyError, TypeError):
+      near = difflib.get_close_matches(str(key), self.manifest.arrays, n=3)
+      hint = f" (did you mean {', '.join(near)}?)" if near else ""
+      raise _errors.ArrayNotFoundError(
+        f"{self.location}: no array {key!r} in this checkpoint{hint}"
+      ) from None
 
   def tensorstore(self, key: str) -> ts.TensorStore:
     """The stored array as a TensorStore handle (lazy; index it, then `.read()`)."""
@@ -151,7 +157,14 @@ class Checkpoint:
       CorruptCheckpointError: a chunk fails its checksum or is missing.
     """
     store = self.tensorstore(key)
-    view = store[index] if index != () else store
+    try:
+      view = store[index] if index != () else store
+    except IndexError as e:
+      why = re.sub(r" \[(domain|transform)=.*$", "", _location.error_text(e))
+      raise _errors.RegionError(
+        f"{self.location}: `{key}` of shape {self[key].shape}: index {index!r} is outside it "
+        f"({why.removeprefix('OUT_OF_RANGE: ')})"
+      ) from None
     nbytes = math.prod(view.shape) * view.dtype.numpy_dtype.itemsize
     _untrusted.check_allocation(nbytes, f"{self.location}: reading `{key}`")
     try:
