@@ -104,6 +104,51 @@ def test_an_nnx_state_through_orbax_ucp_and_orbax_again(tmp_path, other_mesh):
   S.assert_same(_restore(tmp_path / "pure", target), expected)
 
 
+def _orbax_dtypes(path) -> dict:
+  """Each leaf's dtype as Orbax itself records it, and as it restores it into numpy."""
+  with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+    recorded = checkpointer.metadata(os.path.abspath(path)).item_metadata.tree
+    as_numpy = {k: ocp.RestoreArgs(restore_type=np.ndarray) for k in recorded}
+    restored = checkpointer.restore(
+      os.path.abspath(path), args=ocp.args.PyTreeRestore(restore_args=as_numpy)
+    )
+  assert {k: np.dtype(m.dtype) for k, m in recorded.items()} == {
+    k: v.dtype for k, v in restored.items()
+  }
+  return {k: v.dtype for k, v in restored.items()}
+
+
+def test_numpy_scalars_keep_their_dtypes(tmp_path):
+  """A `PyTreeCheckpointHandler` save of numpy scalars exports them at their own width."""
+  tree = {
+    "f32": np.float32(2.5),
+    "f16": np.float16(1.5),
+    "f64": np.float64(0.25),
+    "i32": np.int32(-3),
+    "i8": np.int8(-2),
+    "u16": np.uint16(7),
+    "int": 3,
+    "float": 0.5,
+    "flag": True,
+    "w": np.ones(3, np.float32),
+  }
+  with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+    checkpointer.save(tmp_path / "src", args=ocp.args.PyTreeSave(tree))
+  expected = _orbax_dtypes(tmp_path / "src")
+  assert expected["f32"] == np.float32 and expected["int"] == np.int64
+  ucp_jax.export(tmp_path / "src", tmp_path / "direct", format="orbax")
+  ucp_jax.convert(tmp_path / "src", tmp_path / "ckpt")
+  ucp_jax.export(tmp_path / "ckpt", tmp_path / "via_ucp", format="orbax", ocdbt=False, zarr3=True)
+  for dst in ("direct", "via_ucp"):
+    assert _orbax_dtypes(tmp_path / dst) == expected, dst
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+      restored = checkpointer.restore(os.path.abspath(tmp_path / dst))
+    scalars = {k: np.asarray(v).item() for k, v in tree.items() if k != "w"}
+    assert {k: (type(v), v) for k, v in restored.items() if k != "w"} == {
+      k: (type(v), v) for k, v in scalars.items()
+    }  # Orbax's own restore: Python numbers, as from the source
+
+
 def test_target_writes_exactly_the_tree_orbax_is_given(tmp_path, mesh):
   tree = _linen_like()
   ucp_jax.save(tmp_path / "ckpt", tree)  # ucp_jax keeps keys, not tuples or empty nodes
@@ -249,5 +294,5 @@ def test_a_jax_trained_gpt_moves_to_pytorch(tmp_path):
   np.testing.assert_allclose(logits, np.asarray(model(tokens)), rtol=1e-5, atol=1e-5)
   # and to DeepSpeed, Adam's moments included
   gpt2 = rules.gpt2(num_heads=cfg.num_heads)
-  report = ucp_jax.export(tmp_path / "ckpt", tmp_path / "ds", rules=gpt2)
+  report = ucp_jax.export(tmp_path / "ckpt", tmp_path / "ds", rules=gpt2, format="deepspeed")
   assert report.step == 2 and report.params == 4 + 12 * cfg.num_layers

@@ -9,8 +9,9 @@ Orbax itself writes the folder (`PyTreeCheckpointHandler`) from the checkpoint's
 Orbax restores a tree only onto the same structure: `target=` gives the tree exactly (NNX
 Variables, tuples, empty nodes); otherwise nested dicts by key, with lists, empty nodes and
 NNX `value` leaves where the checkpoint records them (a checkpoint converted from Orbax, a
-`save_train_state` of an NNX model), or as `nnx=True`/`False` says (docs/orbax.md). Python
-numbers are Orbax scalars, typed PRNG keys typed keys.
+`save_train_state` of an NNX model), or as `nnx=True`/`False` says (docs/orbax.md). Scalars
+are Orbax scalars of their stored dtype (numpy scalars where narrower than a Python number:
+an `np.float32` stays float32), typed PRNG keys typed keys.
 
 Memory: Orbax saves a tree held whole, so each array is copied, a block at a time, into a
 memory-mapped scratch file beside `dst` (arrays under 1 MiB stay in memory) and Orbax writes
@@ -255,7 +256,7 @@ def _leaf(ckpt: _reader.Checkpoint, key: str, scratch: str) -> Any:
   """`key` as Orbax saves it: a Python number, a typed PRNG key or a numpy array."""
   info = ckpt[key]
   if info.kind == "scalar":
-    return _PY_TYPES[info.python_type or "float"](ckpt.read(key).item())
+    return _scalar(ckpt.read(key), info)
   if info.kind == "prng_key":
     import jax
 
@@ -270,6 +271,17 @@ def _leaf(ckpt: _reader.Checkpoint, key: str, scratch: str) -> Any:
   out.flush()
   del out
   return np.load(scratch, mmap_mode="r")
+
+
+def _scalar(value: np.ndarray, info) -> Any:
+  """An Orbax scalar of the stored dtype: a Python number where that is the number's own
+  width (int64, float64, bool, complex128), else a numpy scalar (`np.float32(2.0)` stays
+  float32: Orbax writes a Python float as float64)."""
+  python = _PY_TYPES[info.python_type or "float"]
+  dtype = np.dtype(info.dtype)
+  if python is bool or dtype == np.dtype(python):
+    return python(value.item())
+  return dtype.type(value.reshape(()))
 
 
 def _save(folder: str, tree: Any, ocdbt: bool, zarr3: bool, compression, chunk_bytes) -> None:

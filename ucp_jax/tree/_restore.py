@@ -326,7 +326,8 @@ class _Reads:
       return want.python_type(pieces[None].item())
     shape = _logical_shape(info)
     sharding = want.sharding
-    if want.prng:
+    prng = want.prng or info.kind == "prng_key"  # (a bare Sharding target: typed keys too)
+    if prng:
       shape, sharding = info.shape, _key_data_sharding(sharding, len(shape), len(info.shape))
     if _hostmem.adopts(sharding):
       data = _hostmem.adopt(shape, sharding, pieces)
@@ -334,7 +335,7 @@ class _Reads:
       data = jax.make_array_from_single_device_arrays(
         shape, sharding, [pieces[d] for d in sharding.addressable_devices]
       )
-    return jax.random.wrap_key_data(data, impl=info.prng_impl) if want.prng else data
+    return jax.random.wrap_key_data(data, impl=info.prng_impl) if prng else data
 
 
 def _key_data_sharding(

@@ -7,17 +7,21 @@ folder holding `_CHECKPOINT_METADATA`). A save is committed once its folder is r
 written; Orbax versions that write no marker record the commit time in
 `_CHECKPOINT_METADATA` (`commit_timestamp_nsecs`). Anything else is a save that did not
 finish, and is refused.
+
+Every file read here is read as untrusted (`read_json`): a regular file only, inside the
+folder it belongs to, small and shallow enough to parse, one line naming it when it is not.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
+from typing import Any
 
 from ucp_jax import _errors
 from ucp_jax.sources import _files
+from ucp_jax.store import _untrusted
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 COMMIT_MARKER = "commit_success.txt"
@@ -27,6 +31,9 @@ OCDBT_MANIFEST = "manifest.ocdbt"
 UCP_MANIFEST = "manifest.json"  # an item written by ucp_jax.orbax.UcpSave
 _ITEM_FILES = (TREE_METADATA, OCDBT_MANIFEST)
 _STEP = re.compile(r"^(?:.*_)?(\d+)(?:\.orbax-checkpoint-tmp.*)?$")
+MAX_CHECKPOINT_METADATA_BYTES = 16 << 20
+"""The most `_CHECKPOINT_METADATA` may hold (Orbax writes a few hundred bytes, plus the
+user's `custom_metadata`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +103,9 @@ def _item_of_step(fs: _files.Files, step: str) -> Item:
   ours = [n for n in items if fs.isfile(os.path.join(step, n, UCP_MANIFEST))]
   if len(trees) == 1:
     folder = os.path.join(step, trees[0])
+    local, local_step = local_path(fs, folder), local_path(fs, step)
+    if local is not None and local_step is not None:
+      _untrusted.check_inside(local, local_step)
     _check_committed(fs, folder)
     return Item(folder, _step_number(step), trees[0])
   if trees:
@@ -131,15 +141,63 @@ def _unfinished(fs: _files.Files, folder: str) -> str | None:
   if fs.isfile(os.path.join(folder, COMMIT_MARKER)):
     return None
   metadata_file = os.path.join(folder, CHECKPOINT_METADATA)
-  if not fs.isfile(metadata_file):
+  if not present(fs, metadata_file):
     return None  # an Orbax version that committed by the rename alone
-  try:
-    metadata = json.loads(fs.read(metadata_file))
-  except (OSError, ValueError) as e:
-    raise _errors.SourceFormatError(f"{metadata_file}: not readable JSON ({e})") from e
-  if not isinstance(metadata, dict) or metadata.get("commit_timestamp_nsecs") is None:
+  metadata = read_json(
+    fs,
+    metadata_file,
+    folder,
+    what="the save's commit time",
+    max_bytes=MAX_CHECKPOINT_METADATA_BYTES,
+  )
+  if not isinstance(metadata, dict):
+    raise _errors.SourceFormatError(f"{metadata_file}: not a JSON object: not Orbax's")
+  stamp = metadata.get("commit_timestamp_nsecs")
+  if stamp is None:
     return f"no {COMMIT_MARKER}, and `commit_timestamp_nsecs` in {metadata_file} is not set"
+  if isinstance(stamp, bool) or not isinstance(stamp, int):
+    raise _errors.SourceFormatError(
+      f"{metadata_file}: `commit_timestamp_nsecs` is a {type(stamp).__name__}, not a number "
+      "of nanoseconds: not Orbax's"
+    )
   return None
+
+
+def local_path(fs: _files.Files, path: str) -> str | None:
+  """Where `path` (a path or a `file://` URL) is on the local disk; None on an object store."""
+  if not fs.remote:
+    return path
+  return os.path.abspath(path[len("file://") :]) if path.startswith("file://") else None
+
+
+def present(fs: _files.Files, path: str) -> bool:
+  """Whether a file is at `path`: on a local disk, any entry (a FIFO or a link too, which
+  reading then refuses), not only a regular file."""
+  local = local_path(fs, path)
+  return fs.isfile(path) if local is None else os.path.lexists(local)
+
+
+def read_json(fs: _files.Files, file: str, root: str, *, what: str, max_bytes: int) -> Any:
+  """The JSON document `file`, read as untrusted: a regular file, inside `root` once links
+  are followed (local), at most `max_bytes`, nested at most `_untrusted.MAX_JSON_DEPTH`.
+
+  Raises:
+    SourceFormatError: one line naming `file` (missing, not a regular file, a link out of
+      `root`, too large or deep, not JSON).
+  """
+  if not present(fs, file):
+    raise _errors.SourceFormatError(f"{file}: missing: the file that holds {what}")
+  local, local_root = local_path(fs, file), local_path(fs, root)
+  if local is not None and local_root is not None:  # a `file://` URL is read as a path
+    _untrusted.check_inside(local, local_root)
+    file, fs = local, _files.LocalFiles()
+  try:
+    raw = fs.read(file, max_bytes)
+  except FileNotFoundError:
+    raise _errors.SourceFormatError(f"{file}: missing: the file that holds {what}") from None
+  except OSError as e:
+    raise _errors.SourceFormatError(f"{file}: cannot be read ({e.strerror or e})") from None
+  return _untrusted.loads_json(raw, file, max_bytes=max_bytes)
 
 
 def _step_number(folder: str) -> int | None:

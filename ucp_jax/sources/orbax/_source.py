@@ -11,6 +11,7 @@ would. docs/orbax.md has the layouts and what each bad input gets.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -20,8 +21,8 @@ import tensorstore as ts
 from ucp_jax import _errors
 from ucp_jax.sources import _files
 from ucp_jax.sources._source_plan import Plan, Tensor
-from ucp_jax.sources.orbax import _folders, _train_state, _tree_metadata
-from ucp_jax.store import _location
+from ucp_jax.sources.orbax import _checks, _folders, _train_state, _tree_metadata
+from ucp_jax.store import _location, _untrusted
 from ucp_jax.store._location import error_text
 
 NAME = "orbax"
@@ -69,9 +70,12 @@ def describe(path: str, *, hyperparams: dict | list[dict] | None = None) -> Plan
   """
   fs = _files.for_path(path)
   item = _folders.find(path, fs)
+  local = _folders.local_path(fs, item.folder)
+  if local is not None:  # nothing TensorStore would block on, no link out of the item
+    _checks.check_local_files(local)
   meta = _tree_metadata.read(item.folder, fs)
   manifest = os.path.join(item.folder, _folders.OCDBT_MANIFEST)
-  if meta.use_ocdbt and not fs.isfile(manifest):
+  if meta.use_ocdbt and not _folders.present(fs, manifest):
     first = f" (`{meta.leaves[0].key}`, ...)" if meta.leaves else ""
     raise _errors.SourceFormatError(
       f"{manifest}: missing: the OCDBT manifest that indexes all {len(meta.leaves)} arrays"
@@ -124,49 +128,79 @@ def _open_all(meta: _tree_metadata.TreeMetadata, folder: dict) -> dict[str, Tens
   """
   # Resources it does not name (a `memory://` store's data, credentials) are ucp_jax's own.
   context = ts.Context(_CONTEXT, parent=_location.CONTEXT)
-  futures = [
-    (leaf, ts.open(_spec(meta, folder, leaf.name), read=True, context=context))
-    for leaf in meta.leaves
-  ]
+  document = "zarr.json" if meta.use_zarr3 else ".zarray"
+  inside = " in the OCDBT database" if meta.use_ocdbt else ""
+  shown = {leaf.name: f"{meta.folder}/{leaf.shown}/{document}{inside}" for leaf in meta.leaves}
+  refused = _checks.metadata_problems(_kvstore(meta, folder), list(shown), document, shown, context)
+  failures = _Failures()
+  futures = []
+  for leaf in meta.leaves:
+    if leaf.name in refused:
+      failures.add(refused[leaf.name], f"{shown[leaf.name]} (`{leaf.key}`)")
+      continue
+    try:  # TensorStore refuses some specs at once (a name it cannot take as a path)
+      futures.append((leaf, ts.open(_spec(meta, folder, leaf.name), read=True, context=context)))
+    except ValueError as e:
+      futures.append((leaf, e))
   tensors: dict[str, Tensor] = {}
-  causes: dict[str, list[str]] = {}  # the innermost error -> each array's full message
+  free = _untrusted.available_memory()
   for leaf, future in futures:
-    where = f"{meta.folder}/{leaf.name} (`{leaf.key}`)"
+    where = f"{meta.folder}/{leaf.shown} (`{leaf.key}`)"
     try:
+      if isinstance(future, ValueError):
+        raise future
       store = future.result()
     except ValueError as e:
-      text = error_text(e)
-      causes.setdefault(text.rsplit(": ", 1)[-1], []).append(f"{where}: {text}")
+      text = _tree_metadata.shown(error_text(e))
+      failures.add(text, where, alike=text.rsplit(": ", 1)[-1].replace(leaf.shown, "\0"))
+      continue
+    problem = _checks.array_problem(store, free) or _key_problem(leaf, store)
+    if problem:
+      failures.add(problem, where)
       continue
     tensors[leaf.key] = _tensor(leaf, store, where)
-  problems = [
-    lines[0] if len(lines) == 1 else f"{lines[0]} (and {len(lines) - 1} more arrays alike)"
-    for lines in causes.values()
-  ]
-  if len(problems) == 1:
-    raise _errors.SourceFormatError(problems[0])
-  if problems:
-    raise _errors.SourceFormatError(
-      f"{meta.folder}: {sum(map(len, causes.values()))} arrays cannot be opened:\n"
-      + _errors.bullet_list(problems)
-    )
+  failures.raise_any(meta.folder)
   return tensors
+
+
+class _Failures:
+  """The arrays that cannot be opened, by cause: arrays failing alike make one line."""
+
+  def __init__(self) -> None:
+    self._lines: dict[str, list[str]] = {}
+
+  def add(self, problem: str, where: str, *, alike: str | None = None) -> None:
+    """`where` cannot be opened for `problem`; `alike`: what other arrays failing for the
+    same cause share (default: the problem)."""
+    self._lines.setdefault(alike or problem, []).append(f"{where}: {problem}")
+
+  def raise_any(self, folder: str) -> None:
+    problems = [
+      lines[0] if len(lines) == 1 else f"{lines[0]} (and {len(lines) - 1} more arrays alike)"
+      for lines in self._lines.values()
+    ]
+    if len(problems) == 1:
+      raise _errors.SourceFormatError(problems[0])
+    if problems:
+      raise _errors.SourceFormatError(
+        f"{folder}: {sum(map(len, self._lines.values()))} arrays cannot be opened:\n"
+        + _errors.bullet_list(problems)
+      )
+
+
+def _kvstore(meta: _tree_metadata.TreeMetadata, folder: dict) -> dict:
+  """The kvstore that holds the arrays, each below its name."""
+  if meta.use_ocdbt:
+    return {"driver": "ocdbt", "base": folder, "cache_pool": "cache_pool#ocdbt"}
+  return folder
 
 
 def _spec(meta: _tree_metadata.TreeMetadata, folder: dict, name: str) -> dict:
   """The TensorStore spec of the array `name`, as Orbax's `ArrayReadSpec` builds it."""
-  if meta.use_ocdbt:
-    kvstore = {
-      "driver": "ocdbt",
-      "base": folder,
-      "path": name + "/",
-      "cache_pool": "cache_pool#ocdbt",
-    }
-  else:
-    kvstore = {**folder, "path": f"{folder.get('path', '')}{name}/"}
+  kvstore = _kvstore(meta, folder)
   return {
     "driver": "zarr3" if meta.use_zarr3 else "zarr",
-    "kvstore": kvstore,
+    "kvstore": {**kvstore, "path": f"{kvstore.get('path', '')}{name}/"},
     "recheck_cached_data": False,
     "recheck_cached_metadata": False,
     "fill_missing_data_reads": meta.fill_missing,  # a lost chunk is an error, never zeros
@@ -182,9 +216,21 @@ def _tensor(leaf: _tree_metadata.Leaf, store: ts.TensorStore, where: str) -> Ten
     info = {"kind": "scalar", "python_type": _PY_TYPES[dtype.kind]}
 
   def pieces() -> list[np.ndarray]:
+    _untrusted.check_allocation(math.prod(store.shape) * dtype.itemsize, where)
     try:
       return [np.asarray(store.read().result()).reshape(-1)]
     except ValueError as e:
       raise _errors.SourceFormatError(f"{where}: cannot read: {error_text(e)}") from e
 
   return Tensor(tuple(store.shape), dtype, pieces, where, store=store, info=info)
+
+
+def _key_problem(leaf: _tree_metadata.Leaf, store: ts.TensorStore) -> str | None:
+  """Why a typed PRNG key's data is not one JAX can wrap (None for any other leaf)."""
+  if leaf.prng_impl is None:
+    return None
+  words = _tree_metadata.PRNG_KEY_SIZES[leaf.prng_impl]
+  dtype, shape = np.dtype(store.dtype.numpy_dtype), tuple(store.shape)
+  if dtype == np.uint32 and shape and shape[-1] == words:
+    return None
+  return f"{leaf.prng_impl} key data of {dtype} {list(shape)}, not uint32 [..., {words}]"

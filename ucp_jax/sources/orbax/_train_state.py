@@ -113,18 +113,25 @@ class _Inference:
     return TrainState(schema, step)
 
   def _states(self) -> dict[str, dict[str, dict[str, str]]]:
-    """Optax state node -> field -> {parameter: key}, for every field keyed like the model."""
-    candidates = set()
-    for key in self.opt_keys:
-      parts = key.split("/")
-      for i in range(len(parts) - 1, 1, -1):
-        if "/".join(parts[i:]) in self.model:
-          candidates.add("/".join(parts[:i]))
+    """Optax state node -> field -> {parameter: key}, for every field keyed like the model.
+
+    Linear in the keys (times their depth): each key's prefixes are looked up, never
+    compared with every other key.
+    """
+    splits = {key: _splits(key) for key in self.opt_keys}
+    candidates = {
+      holder for pairs in splits.values() for holder, rel in pairs[1:] if rel in self.model
+    }
+    below: dict[str, dict[str, str]] = {}  # candidate -> {rel: key} of every key below it
+    for key, pairs in splits.items():
+      for holder, rel in pairs:
+        if holder in candidates:
+          below.setdefault(holder, {})[rel] = key
     holders: dict[str, dict[str, str]] = {}
-    for holder in sorted(candidates, key=len):
-      if any(holder.startswith(h + "/") for h in holders):
+    for holder in sorted(candidates, key=len):  # a holder before any node below it
+      if any(above in holders for above, _ in _splits(holder)):
         continue
-      under = {k[len(holder) + 1 :]: k for k in self.opt_keys if k.startswith(holder + "/")}
+      under = below.get(holder, {})
       if under and all(rel in self.model for rel in under):
         holders[holder] = under
     states: dict[str, dict[str, dict[str, str]]] = {}
@@ -142,8 +149,9 @@ class _Inference:
 
   def _step(self, groups: list[str]) -> int | None:
     for key in [f"{s}/count" for s in groups] + [self.step_key or ""]:
-      if key in self.tensors and self.tensors[key].numel == 1:
-        return int(self.tensors[key].pieces()[0][0])
+      count = _count(self.tensors.get(key))
+      if count is not None:
+        return count
     return None
 
   def _hyperparams(self, groups: list[str], given: dict | list[dict] | None) -> list[dict]:
@@ -156,15 +164,29 @@ class _Inference:
           "parameter group(s) (one dict for all, or one per group)"
         )
       return [dict(g) for g in listed]
+    injected: dict[str, dict[str, str]] = {}  # node -> {name: key} below its `hyperparams/`
+    marker = "/hyperparams/"
+    for key in self.tensors:
+      at = key.find(marker)
+      while at != -1:
+        name = key[at + len(marker) :]
+        named = injected.setdefault(key[:at], {})
+        if name in _HYPER:
+          named[name] = key
+        at = key.find(marker, at + 1)
+    values: dict[str, float] = {}  # key -> value, each read once
     out = []
     for state in groups or [self.opt or ""]:
       found: dict = {}
       parts = state.split("/")
       for i in range(len(parts), 0, -1):  # the nearest optax.inject_hyperparams above it
-        prefix = "/".join(parts[:i]) + "/hyperparams/"
-        named = {k[len(prefix) :]: k for k in self.tensors if k.startswith(prefix)}
-        if named:
-          found = {_HYPER[n]: _scalar(self.tensors[k]) for n, k in named.items() if n in _HYPER}
+        named = injected.get("/".join(parts[:i]))
+        if named is not None:
+          for n, k in named.items():
+            if k not in values:
+              values[k] = _scalar(self.tensors[k])
+            if values[k] is not None:
+              found[_HYPER[n]] = values[k]
           break
       if "b1" in found or "b2" in found:
         found["betas"] = [found.pop("b1", 0.9), found.pop("b2", 0.999)]
@@ -179,8 +201,7 @@ class _Inference:
       held = len({rel for h in fields.values() for rel in h})
       entry = {"state": state, "slots": sorted(fields), "params": held}
       if set(fields) == {"acc_grads"}:
-        mini = self.tensors.get(f"{state}/mini_step")
-        mini_step = int(mini.pieces()[0][0]) if mini is not None and mini.numel == 1 else 0
+        mini_step = _count(self.tensors.get(f"{state}/mini_step")) or 0
         out.append({**entry, "form": "MultiStepsState", "mini_step": mini_step, "export": "drop"})
       else:
         form = f"state with {', '.join(sorted(fields))}"
@@ -220,6 +241,28 @@ def _floating(tensor: Tensor) -> bool:
   return True
 
 
-def _scalar(tensor: Tensor) -> float:
+def _scalar(tensor: Tensor) -> float | None:
+  """A hyperparameter's value; None unless it holds one finite number."""
+  if tensor.numel != 1 or np.dtype(tensor.dtype).kind not in "biuf":
+    return None
   value = np.asarray(tensor.pieces()[0]).reshape(-1)[0]
-  return float(str(value)) if value.dtype.kind == "f" else value.item()
+  if value.dtype.kind == "f":
+    return float(str(value)) if np.isfinite(value) else None
+  return value.item()
+
+
+def _count(tensor: Tensor | None) -> int | None:
+  """A step counter's value; None unless it holds one integer."""
+  if tensor is None or tensor.numel != 1 or np.dtype(tensor.dtype).kind not in "iu":
+    return None
+  return int(np.asarray(tensor.pieces()[0]).reshape(-1)[0])
+
+
+def _splits(key: str) -> list[tuple[str, str]]:
+  """(prefix, rest) at each `/` of `key`, the shortest prefix first."""
+  out = []
+  at = key.find("/")
+  while at != -1:
+    out.append((key[:at], key[at + 1 :]))
+    at = key.find("/", at + 1)
+  return out
