@@ -57,6 +57,47 @@ def _hold_writes(monkeypatch, *, fail: Exception | None = None, calls: int = 1):
   return started, release
 
 
+class _Watched(threading.Condition):
+  """`_pending`'s condition, counting the threads that wait on it (so a test knows, without
+  sleeping, that they are held back)."""
+
+  def __init__(self):
+    super().__init__()
+    self.waiting = 0
+    self._count = threading.Condition()
+
+  def wait(self, timeout=None):
+    with self._count:
+      self.waiting += 1
+      self._count.notify_all()
+    try:
+      return super().wait(timeout)
+    finally:
+      with self._count:
+        self.waiting -= 1
+
+  def until_waiting(self, n: int) -> None:
+    with self._count:
+      assert self._count.wait_for(lambda: self.waiting >= n, timeout=60), self.waiting
+
+
+@pytest.fixture
+def watched(monkeypatch):
+  from ucp_jax.tree import _pending
+
+  condition = _Watched()
+  monkeypatch.setattr(_pending, "_changed", condition)
+  return condition
+
+
+@pytest.fixture
+def thread_errors(monkeypatch):
+  """Exceptions that escape a thread (none may)."""
+  escaped = []
+  monkeypatch.setattr(threading, "excepthook", lambda args: escaped.append(args.exc_value))
+  return escaped
+
+
 def _state(devices) -> dict:
   mesh = jax.make_mesh((8,), ("d",), devices=devices)
   rows = NamedSharding(mesh, P("d"))
@@ -182,15 +223,14 @@ def test_result_times_out_while_the_write_is_held(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("second", ["save", "save_async"])
-def test_a_second_save_waits_for_the_first(tmp_path, monkeypatch, second):
+def test_a_second_save_waits_for_the_first(tmp_path, monkeypatch, watched, second):
   started, release = _hold_writes(monkeypatch, calls=1)
   first = ucp_jax.save_async(tmp_path / "first", {"x": np.ones(3)})
   assert started.wait(10)
   save = getattr(ucp_jax, second)
   thread = threading.Thread(target=save, args=(tmp_path / "second", {"y": np.zeros(2)}))
   thread.start()
-  thread.join(0.2)
-  # Held back by the first save (the second's own write would not wait for `release`).
+  watched.until_waiting(1)  # held back by the first save (its own write would not wait)
   assert thread.is_alive() and not first.done()
   assert not (tmp_path / "second").exists()
   release.set()
@@ -199,6 +239,136 @@ def test_a_second_save_waits_for_the_first(tmp_path, monkeypatch, second):
   assert first.done()
   assert ucp_jax.open(tmp_path / "first").keys() == ["x"]
   assert ucp_jax.open(tmp_path / "second").keys() == ["y"]
+
+
+def _threads(targets) -> list[threading.Thread]:
+  threads = [threading.Thread(target=t) for t in targets]
+  for t in threads:
+    t.start()
+  return threads
+
+
+def _join(threads) -> None:
+  for t in threads:
+    t.join(60)
+    assert not t.is_alive(), "a thread hung"
+
+
+def test_save_async_from_several_threads_keeps_one_in_flight(
+  tmp_path, monkeypatch, watched, thread_errors
+):
+  release, lock = threading.Event(), threading.Lock()
+  _RELEASES.append(release)
+  running, peak, started = [0], [0], threading.Semaphore(0)
+
+  def held(self, entries, max_host_bytes):
+    with lock:
+      running[0] += 1
+      peak[0] = max(peak[0], running[0])
+    started.release()
+    try:
+      assert release.wait(60)
+      _WRITE(self, entries, max_host_bytes)
+    finally:
+      with lock:
+        running[0] -= 1
+
+  monkeypatch.setattr(_save.Writer, "_write_entries", held)
+  handles = {}
+
+  def save(i):
+    handles[i] = ucp_jax.save_async(tmp_path / f"c{i}", {"x": np.full(3, i)}, step=i)
+
+  threads = _threads([lambda i=i: save(i) for i in range(4)])
+  assert started.acquire(timeout=60)  # one write is under way ...
+  watched.until_waiting(3)  # ... and the three other calls wait for it
+  assert peak[0] == 1 and len(handles) == 1
+  assert [n for n in os.listdir(tmp_path) if not n.startswith(".")] == []  # nothing started
+  release.set()
+  _join(threads)
+  ucp_jax.wait_until_finished()
+  assert peak[0] == 1 and sorted(handles) == [0, 1, 2, 3]
+  for i, handle in handles.items():
+    assert handle.result() == str(tmp_path / f"c{i}")
+    assert ucp_jax.open(tmp_path / f"c{i}").step == i
+  assert sorted(os.listdir(tmp_path)) == [f"c{i}" for i in range(4)] and not thread_errors
+
+
+@pytest.mark.parametrize("waiters", ["wait_until_finished", "save", "save_async", "mixed"])
+def test_a_background_error_reaches_exactly_one_caller_of_any_thread(
+  tmp_path, monkeypatch, watched, thread_errors, waiters
+):
+  started, release = _hold_writes(monkeypatch, fail=RuntimeError("injected"))
+  failing = ucp_jax.save_async(tmp_path / "failing", {"x": np.ones(3)})
+  assert started.wait(60)
+  calls = {
+    "wait_until_finished": ucp_jax.wait_until_finished,
+    "save": lambda i: ucp_jax.save(tmp_path / f"s{i}", {"x": np.full(2, i)}),
+    "save_async": lambda i: ucp_jax.save_async(tmp_path / f"s{i}", {"x": np.full(2, i)}),
+  }
+  kinds = list(calls)[:3] * 2 if waiters == "mixed" else [waiters] * 4
+  outcomes = {}
+
+  def call(i, kind):
+    try:
+      calls[kind]() if kind == "wait_until_finished" else calls[kind](i)
+      outcomes[i] = None
+    except BaseException as e:  # counted below
+      outcomes[i] = e
+
+  threads = _threads([lambda i=i, k=k: call(i, k) for i, k in enumerate(kinds)])
+  watched.until_waiting(len(kinds))  # every caller is held back by the failing save
+  release.set()
+  _join(threads)
+  ucp_jax.wait_until_finished()  # the error was raised already, and the others' saves done
+  raised = [e for e in outcomes.values() if e is not None]
+  assert len(outcomes) == len(kinds) and len(raised) == 1, outcomes
+  assert isinstance(raised[0], RuntimeError) and str(raised[0]) == "injected"
+  with pytest.raises(RuntimeError, match="injected"):  # its handle still tells it too
+    failing.result()
+  ucp_jax.wait_until_finished()  # and nobody else hears of it again
+  for i, kind in enumerate(kinds):
+    if kind != "wait_until_finished" and outcomes[i] is None:  # each save that was not
+      assert ucp_jax.open(tmp_path / f"s{i}").keys() == ["x"]  # turned away was written
+  assert not (tmp_path / "failing").exists() and not thread_errors
+
+
+def test_every_background_error_is_raised_once_under_concurrent_saves(
+  tmp_path, monkeypatch, thread_errors
+):
+  """Threads save in a loop, some saves failing: each failure of a save that started is
+  raised exactly once, to whichever thread calls next, and nothing escapes."""
+
+  def write(self, entries, max_host_bytes):
+    if "fail" in str(self.target):
+      raise RuntimeError(f"injected {self.target}")
+    _WRITE(self, entries, max_host_bytes)
+
+  monkeypatch.setattr(_save.Writer, "_write_entries", write)
+  started, raised, lock = [], [], threading.Lock()
+
+  def loop(t):
+    for j in range(6):
+      name = f"t{t}-{j}" + ("-fail" if (t + j) % 3 == 0 else "")
+      try:
+        ucp_jax.save_async(tmp_path / name, {"x": np.full(2, j)})
+      except RuntimeError as e:
+        with lock:
+          raised.append(str(e))
+        continue
+      with lock:
+        started.append(name)
+
+  _join(_threads([lambda t=t: loop(t) for t in range(4)]))
+  try:
+    ucp_jax.wait_until_finished()
+  except RuntimeError as e:
+    raised.append(str(e))
+  failed = sorted(f"injected {tmp_path / n}" for n in started if n.endswith("-fail"))
+  assert sorted(raised) == failed  # each once, none lost
+  for name in started:
+    assert (tmp_path / name).exists() != name.endswith("-fail")
+  assert not thread_errors
 
 
 def test_bad_tree_raises_at_the_call(tmp_path):

@@ -2,6 +2,7 @@
 whole; locks left by dead writers never block; readers never mix two saves; data is synced.
 """
 
+import errno
 import json
 import os
 import re
@@ -10,12 +11,13 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import ucp_jax
-from ucp_jax.store import _commit, _direct, _location
+from ucp_jax.store import _commit, _direct, _location, _swap
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "commit_fault_worker.py")
@@ -52,6 +54,8 @@ LOCAL_STAGES = [
   ("after-exchange", 2.0, True),
   ("fallback-between-renames", 2.0, True),
   ("fallback-after-renames", 2.0, True),
+  ("fallback-undo-cut", 2.0, True),  # the second rename failed, killed putting back the first
+  ("fallback-abort-cut", 1.0, True),  # the undo failed too, killed removing the staging folder
 ]
 
 
@@ -225,9 +229,8 @@ def test_a_reader_never_mixes_two_saves(tmp_path, where):
   writer.start()
   whole, replaced = 0, 0
   try:
-    reads = 0
-    while (saves[0] < 8 or whole < 3) and reads < 5000:
-      reads += 1
+    watchdog = time.monotonic() + 300  # against a hang only: the loop ends on counts
+    while (saves[0] < 8 or whole < 3) and not errors and time.monotonic() < watchdog:
       try:
         out = ucp_jax.restore(path)
       except ucp_jax.ConcurrentWriteError:
@@ -275,13 +278,13 @@ def test_a_durable_save_fsyncs_every_file_and_directory(tmp_path, monkeypatch, d
 
 def test_folders_a_durable_save_creates_are_fsynced_into_their_parents(tmp_path, monkeypatch):
   synced = []
-  real = _commit.fsync_dir
+  real = _swap.fsync_dir
 
   def fsync_dir(path):
     synced.append(os.path.abspath(path))
     real(path)
 
-  monkeypatch.setattr(_commit, "fsync_dir", fsync_dir)
+  monkeypatch.setattr(_swap, "fsync_dir", fsync_dir)
   ucp_jax.save(tmp_path / "runs" / "a" / "ckpt", {"w": np.ones(3)}, durable=False)
   assert synced == []
   ucp_jax.save(tmp_path / "new" / "b" / "ckpt", {"w": np.ones(3)})
@@ -437,3 +440,140 @@ def test_an_object_store_overwrite_deletes_only_what_the_old_checkpoint_held():
   with pytest.raises(ucp_jax.CheckpointExistsError, match=r"holds other data \(child/"):
     ucp_jax.save("memory://ucp_test_parent", {"w": np.ones(1)})  # no checkpoint there: refused
   assert ucp_jax.open("memory://ucp_test_parent/child").keys() == ["w"]
+
+
+# --- the swap without an exchange: every way out leaves a whole checkpoint ---
+
+
+def _hide_exchange(monkeypatch, code=errno.EINVAL):
+  monkeypatch.setattr(_swap, "_renameat2", lambda a, b, flags: code)
+
+
+def _fail_renames(monkeypatch, failing: set[int]):
+  """The renames numbered in `failing` (from 1) raise EIO instead of running."""
+  real, calls = os.rename, [0]
+
+  def rename(a, b, *args, **kwargs):
+    calls[0] += 1
+    if calls[0] in failing:
+      raise OSError(errno.EIO, "Input/output error (injected)", a)
+    return real(a, b, *args, **kwargs)
+
+  monkeypatch.setattr(os, "rename", rename)
+  return calls
+
+
+@pytest.mark.parametrize("code", [errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP])
+def test_without_an_exchange_an_overwrite_renames_twice(tmp_path, monkeypatch, code):
+  path = tmp_path / "ckpt"
+  ucp_jax.save(path, {"w": np.zeros(3)}, step=1)
+  _hide_exchange(monkeypatch, code)
+  calls = _fail_renames(monkeypatch, set())
+  ucp_jax.save(path, {"w": np.ones(3)}, step=2, overwrite=True)
+  assert calls[0] == 2 and ucp_jax.open(path).step == 2
+  assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_an_exchange_that_fails_otherwise_is_an_error_that_moves_nothing(tmp_path, monkeypatch):
+  path = tmp_path / "ckpt"
+  ucp_jax.save(path, {"w": np.zeros(3)}, step=1)
+  _hide_exchange(monkeypatch, errno.EIO)
+  calls = _fail_renames(monkeypatch, set())
+  with pytest.raises(
+    ucp_jax.StorageError,
+    match=r"the commit: the device reported an I/O error: check the disk \(.*\)\. Nothing was",
+  ):
+    ucp_jax.save(path, {"w": np.ones(3)}, step=2, overwrite=True)
+  assert calls[0] == 0  # no fallback on a failing disk
+  assert ucp_jax.open(path).step == 1 and sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_a_swap_that_cannot_be_undone_says_where_the_old_checkpoint_is(tmp_path, monkeypatch):
+  path = tmp_path / "ckpt"
+  ucp_jax.save(path, {"w": np.zeros(3)}, step=1)
+  _hide_exchange(monkeypatch)
+  _fail_renames(monkeypatch, {2, 3})  # into place, and back: both fail
+  with pytest.raises(ucp_jax.StorageError) as caught:
+    ucp_jax.save(path, {"w": np.ones(3)}, step=2, overwrite=True)
+  assert re.fullmatch(
+    rf"{path}: the commit failed \(OSError: .*\) and undoing it failed too \(OSError: .*\); the "
+    rf"previous checkpoint is in {tmp_path}/\.ckpt\.ucp-tmp-[0-9a-f]{{16}}\.old until the next "
+    rf"save or export to {path} puts it back \(reading {path} reads it there\)",
+    str(caught.value),
+  )
+  # The abort removed the new one and, the disk working again, put the old one back.
+  assert ucp_jax.open(path).step == 1 and sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_a_lone_old_checkpoint_is_read_and_put_back(tmp_path):
+  """What a swap whose undo was cut short leaves: the old checkpoint aside, nothing in place,
+  and maybe part of the staging folder, its manifest deleted first."""
+  path = tmp_path / "ckpt"
+  ucp_jax.save(path, {"w": np.zeros(3)}, step=1)
+  staged = tmp_path / ".ckpt.ucp-tmp-00000000000000aa"
+  os.rename(path, f"{staged}.old")
+  ucp_jax.save(tmp_path / "other", {"w": np.ones(3)}, step=2)
+  os.rename(tmp_path / "other", staged)
+  os.unlink(staged / "manifest.json")  # half deleted: not a checkpoint any more
+  assert ucp_jax.open(path).step == 1
+  np.testing.assert_array_equal(ucp_jax.restore(path)["w"], np.zeros(3))
+  _swap.recover(str(path))
+  assert ucp_jax.open(path).step == 1
+  with pytest.raises(ucp_jax.CheckpointExistsError, match="overwrite=True"):
+    ucp_jax.save(path, {"w": np.full(3, 7.0)}, step=3)
+  ucp_jax.save(path, {"w": np.full(3, 7.0)}, step=3, overwrite=True)
+  assert ucp_jax.open(path).step == 3 and sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_an_interrupt_while_a_save_starts_leaves_no_lock_held(tmp_path, monkeypatch):
+  path = tmp_path / "ckpt"
+  ucp_jax.save(path, {"w": np.zeros(3)}, step=1)
+  real = _commit.remove_stale_staging
+
+  def interrupted(target):
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(_commit, "remove_stale_staging", interrupted)
+  with pytest.raises(KeyboardInterrupt):
+    ucp_jax.save(path, {"w": np.ones(3)}, step=2, overwrite=True)
+  monkeypatch.setattr(_commit, "remove_stale_staging", real)
+  ucp_jax.save(path, {"w": np.ones(3)}, step=2, overwrite=True)  # not turned away by its own lock
+  assert ucp_jax.open(path).step == 2 and sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_an_export_cut_between_its_renames_is_put_back_before_it_is_replaced(tmp_path):
+  from ucp_jax.sinks import _folder
+
+  dst = tmp_path / "out"
+  with _folder.staged(str(dst)) as staging:
+    (Path(staging) / "weights.bin").write_bytes(b"old")
+    _folder.write_marker(staging, "test", files=["weights.bin"])
+  staged = tmp_path / ".out.ucp-export-00000000000000bb"
+  os.rename(dst, f"{staged}.old")  # a kill between the renames of the next export
+  staged.mkdir()
+  (staged / "weights.bin").write_bytes(b"new")
+  _folder.write_marker(str(staged), "test", files=["weights.bin"])
+  with pytest.raises(ucp_jax.CheckpointExistsError, match="overwrite=True"):
+    _folder.check_destination(dst, overwrite=False, not_an_export=lambda p: [], what="a test")
+  assert (dst / "weights.bin").read_bytes() == b"new"  # the new one, put in place
+  assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_an_interrupt_as_the_exchange_returns_is_undone(tmp_path, monkeypatch):
+  """Ctrl-C lands after renameat2 swapped the folders, before Python saw it return: the swap
+  is told by the folders' identity, and exchanged back."""
+  path = tmp_path / "ckpt"
+  ucp_jax.save(path, {"w": np.zeros(3)}, step=1)
+  real, calls = _swap._renameat2, []
+
+  def exchanged_then_interrupted(a, b, flags):
+    calls.append(real(a, b, flags))
+    if len(calls) == 1:
+      raise KeyboardInterrupt
+    return calls[-1]
+
+  monkeypatch.setattr(_swap, "_renameat2", exchanged_then_interrupted)
+  with pytest.raises(KeyboardInterrupt):
+    ucp_jax.save(path, {"w": np.ones(3)}, step=2, overwrite=True)
+  assert calls == [0, 0]  # exchanged, and back
+  assert ucp_jax.open(path).step == 1 and sorted(os.listdir(tmp_path)) == ["ckpt"]

@@ -22,9 +22,39 @@ from ucp_jax.store import _hostmem
 MiB = 1 << 20
 
 
+class _Clock:
+  """A clock the test moves, and the trims the pool asked for, run only when the test says:
+  the pool's idle release never races an assertion."""
+
+  def __init__(self):
+    self.now = 1000.0
+    self.timers: list = []
+
+  def __call__(self) -> float:
+    return self.now
+
+  def start_timer(self, seconds, fn):
+    self.timers.append((self.now + seconds, fn))
+    return self.timers[-1]
+
+  def advance(self, seconds: float) -> None:
+    """Moves the clock on and runs the trims that are due by then (and those they ask for)."""
+    self.now += seconds
+    while any(when <= self.now for when, _ in self.timers):
+      due = [t for t in self.timers if t[0] <= self.now]
+      self.timers = [t for t in self.timers if t[0] > self.now]
+      for _, fn in due:
+        fn()
+
+
 @pytest.fixture
-def pool(monkeypatch):
-  fresh = _hostmem._Pool()
+def clock():
+  return _Clock()
+
+
+@pytest.fixture
+def pool(monkeypatch, clock):
+  fresh = _hostmem._Pool(clock=clock, start_timer=clock.start_timer)
   monkeypatch.setattr(_hostmem, "POOL", fresh)
   yield fresh
   fresh.clear()
@@ -162,16 +192,34 @@ def test_the_limit_follows_a_cgroup_below_physical_memory(monkeypatch, tmp_path)
     _hostmem._memory_bytes.cache_clear()
 
 
-def test_unused_buffers_go_back_to_the_system(pool, monkeypatch):
-  monkeypatch.setattr(_hostmem, "IDLE_SECONDS", 1.0)
+def test_unused_buffers_go_back_to_the_system(pool, clock):
   a = _hostmem.aligned_empty((2 * MiB,), np.uint8)
   del a
   gc.collect()
-  assert pool.free_bytes() == 2 * MiB
-  deadline = time.monotonic() + 10
-  while pool.free_bytes() and time.monotonic() < deadline:
-    time.sleep(0.02)
+  assert pool.free_bytes() == 2 * MiB and len(clock.timers) == 1  # a trim is due
+  clock.advance(_hostmem.IDLE_SECONDS / 2)
+  b = _hostmem.aligned_empty((MiB,), np.uint8)  # another size: the 2 MiB go at once
   assert pool.free_bytes() == 0
+  del b
+  gc.collect()
+  assert pool.free_bytes() == MiB
+  clock.advance(_hostmem.IDLE_SECONDS / 2)  # the first trim: b's buffer is not idle long enough
+  assert pool.free_bytes() == MiB and len(clock.timers) == 1  # the next trim is due
+  clock.advance(_hostmem.IDLE_SECONDS / 2)  # idle long enough now; gone at the next trim
+  assert pool.free_bytes() == MiB
+  clock.advance(_hostmem.IDLE_SECONDS / 2)
+  assert pool.free_bytes() == 0 and not clock.timers  # nothing left: no trim is due
+
+
+def test_the_pool_trims_itself_on_the_real_clock():
+  """The default pool runs its trims in a daemon timer thread on the monotonic clock."""
+  fresh = _hostmem._Pool()
+  assert fresh._clock is time.monotonic
+  timer = fresh._start_timer(3600, lambda: None)
+  try:
+    assert isinstance(timer, threading.Timer) and timer.daemon and timer.is_alive()
+  finally:
+    timer.cancel()
 
 
 def _state(seed: int, sharding) -> dict:

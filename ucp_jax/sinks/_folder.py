@@ -3,7 +3,10 @@
 Every sink that writes a local folder uses these: the destination check (an existing folder
 is replaced only if it is an earlier export of the same format, and only with `overwrite`),
 the lock that turns a second export to the same path away, and the staging folder that
-becomes the destination in one rename once everything is written and synced.
+becomes the destination in one rename once everything is written and synced. The swap is the
+store's (`_swap.swap_into_place`), with the export's marker as the file that makes a
+folder whole: an export cut short between the two renames of the fallback swap is put in
+place by the next export to the same path (`recover`).
 """
 
 from __future__ import annotations
@@ -13,11 +16,10 @@ import glob
 import json
 import os
 import secrets
-import shutil
 from collections.abc import Callable, Iterator
 
 from ucp_jax import _errors
-from ucp_jax.store import _commit, _location
+from ucp_jax.store import _commit, _location, _swap
 
 MARKER = "ucp_export.json"
 """Written into every export: `{"written_by": "ucp_jax", "format": ..., ...}`."""
@@ -39,6 +41,9 @@ def check_destination(
   if "://" in path:
     raise _errors.InvalidArgumentError(f"{path}: {what} is written to a local directory")
   path = os.path.abspath(path)
+  if not os.path.lexists(path) and _swap.interrupted_swap(path, _staging_dirs(path), MARKER):
+    with _locked(path):  # an export cut short: what it left aside is checked as the folder
+      recover(path)
   if os.path.isfile(path) or os.path.islink(path):
     raise _errors.CheckpointExistsError(f"{path}: a file is in the way of the export")
   blocker = _commit.file_above(path)
@@ -94,36 +99,63 @@ def read_marker(path: str, format: str | None = None) -> dict | None:
 
 
 def write_marker(folder: str, format: str, **fields) -> None:
+  """Writes the marker, last: a staging folder holding it is complete (`_swap.recover`)."""
   with open(os.path.join(folder, MARKER), "w") as f:
     json.dump({"written_by": "ucp_jax", "format": format, **fields}, f)
+    f.flush()
+    os.fsync(f.fileno())
 
 
 @contextlib.contextmanager
 def staged(dst: str, *, durable: bool = True) -> Iterator[str]:
   """A fresh staging folder beside `dst`; it becomes `dst` when the block ends without error.
 
-  Holds `dst`'s lock throughout (a second export is turned away), removes the staging
-  folders of exports that died, and on any error removes this one and leaves `dst` as it
-  was. With `durable`, the folder's entries are fsynced before the swap (the files'
-  data is the writer's to sync).
+  Holds `dst`'s lock throughout (a second export is turned away), first puts in place an
+  export cut short (`recover`) and removes the staging folders of exports that died, and
+  on any error (KeyboardInterrupt included) removes this one and leaves `dst` as it was.
+  With `durable`, the folder's entries are fsynced before the swap (the files' data is
+  the writer's to sync).
   """
   parent, name = os.path.split(dst)
   _commit.make_dirs(parent, durable=durable)  # a folder created here survives a power loss
-  staging = os.path.join(parent, f".{name}.ucp-export-{secrets.randbits(64):016x}")
+  staging = os.path.join(parent, f".{name}{_STAGING}{secrets.randbits(64):016x}")
+  with _locked(dst, durable):
+    try:
+      recover(dst)  # raises, deleting nothing, if it cannot
+      for stale in _staging_dirs(dst):
+        _swap.discard(stale, MARKER)
+      os.makedirs(staging)
+      yield staging
+      if durable:
+        for folder, _, _ in os.walk(staging):
+          _swap.fsync_dir(folder)
+      _swap.swap_into_place(staging, dst, durable=durable, marker=MARKER)
+    except BaseException:
+      _swap.drop_staging(staging, dst, MARKER)
+      raise
+
+
+def recover(dst: str) -> None:
+  """Puts in place the export that a swap into `dst` cut short left aside (the new one if
+  it is whole, else the old one: `_swap.recover`); the caller holds `dst`'s lock."""
+  _swap.recover(dst, _staging_dirs(dst), MARKER)
+
+
+_STAGING = ".ucp-export-"  # an export to DIR/NAME stages in DIR/.NAME.ucp-export-TOKEN
+
+
+def _staging_dirs(dst: str) -> list[str]:
+  """The staging folders of exports to `dst` (and the `.old` folders of their swaps)."""
+  parent, name = os.path.split(dst)
+  return glob.glob(os.path.join(parent, f".{glob.escape(name)}{_STAGING}*"))
+
+
+@contextlib.contextmanager
+def _locked(dst: str, durable: bool = True) -> Iterator[None]:
   lock = _commit.Lock(_location.resolve(dst), secrets.randbits(63), durable)
   lock.acquire()
   try:
-    for stale in glob.glob(os.path.join(parent, f".{glob.escape(name)}.ucp-export-*")):
-      shutil.rmtree(stale, ignore_errors=True)
-    os.makedirs(staging)
-    yield staging
-    if durable:
-      for folder, _, _ in os.walk(staging):
-        _commit.fsync_dir(folder)
-    _commit.swap_into_place(staging, dst, durable=durable)
-  except BaseException:
-    shutil.rmtree(staging, ignore_errors=True)
-    raise
+    yield
   finally:
     lock.release()
 

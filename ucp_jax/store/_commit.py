@@ -3,8 +3,10 @@
 On a local file system a save writes into a hidden staging directory beside the
 target, `.NAME.ucp-tmp-TOKEN`, and renames it into place: an atomic exchange
 when overwriting (`renameat2(RENAME_EXCHANGE)`), or, where the file system
-cannot exchange, two renames (target -> `STAGING.old`, staging -> target) that
-`recover` completes if the process dies between them.
+cannot exchange, two renames (target -> `STAGING.old`, staging -> target). An
+exception inside the swap undoes it before it propagates; a process killed
+between the two renames leaves both folders, which readers find and the next
+save puts in place (`_swap`).
 
 On object stores, where there is no rename, a save writes its arrays below a
 fresh prefix (`gTOKEN/`) and commits by writing the manifest, one object that
@@ -18,18 +20,16 @@ object) turns a second concurrent writer away; a lock whose holder died is taken
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
 import fcntl
 import json
 import os
 import re
-import shutil
 import socket
 import time
 
 from ucp_jax import _errors
-from ucp_jax.store import _location, _manifest
+from ucp_jax.store import _location, _manifest, _swap
+from ucp_jax.store._swap import interrupted_swap as interrupted_swap  # read by `_reader`
 
 _LOCK_KEY = ".ucp-lock"
 _EXIT_GRACE_S = 5.0  # how long a dead holder's last threads may take to release its flock
@@ -188,22 +188,25 @@ class Lock:
       _location.kvstore(self._target).write(_LOCK_KEY, None).result()
       return
     if self._fd is not None:
-      with contextlib.suppress(FileNotFoundError):
-        os.remove(self._path)  # before the flock goes, so nobody locks an unlinked file
-      os.close(self._fd)
-      self._fd = None
+      fd, self._fd = self._fd, None
+      try:
+        with contextlib.suppress(FileNotFoundError):
+          os.remove(self._path)  # before the flock goes, so nobody locks an unlinked file
+      finally:
+        os.close(fd)  # even on an interrupt: a flock left held would turn this process away
 
 
 def remove_stale_staging(target: _location.Location) -> None:
   """Cleans up after saves to `target` that died (the caller holds the lock).
 
-  A save that died between the two renames of the fallback commit is completed first.
+  A swap cut short (killed between the two renames of the fallback, or while undoing
+  them) is first put in place (`_swap.recover`); the staging folders left are deleted.
   """
   if target.local_dir is None:
     return
-  recover(target.local_dir)
+  _swap.recover(target.local_dir)  # raises, deleting nothing, if it cannot
   for stale in _location.staging_dirs(target.local_dir):
-    shutil.rmtree(stale, ignore_errors=True)
+    _swap.discard(stale)
 
 
 def live_manifest(target: _location.Location) -> _manifest.Manifest | bool | None:
@@ -278,85 +281,20 @@ def commit(
       f.flush()
       os.fsync(f.fileno())
   if durable:
-    fsync_dir(staging.local_dir)
-  swap_into_place(staging.local_dir, target.local_dir, durable=durable)
-
-
-def swap_into_place(staging_dir: str, target_dir: str, *, durable: bool = True) -> None:
-  """Makes the directory `staging_dir` visible as `target_dir` in one step.
-
-  An existing, non-empty `target_dir` is exchanged atomically where the kernel can
-  (renameat2); elsewhere it is renamed to `STAGING.old` first, and `recover`
-  finishes the swap if the process dies before the second rename. The old
-  directory is deleted and the parent directory fsynced.
-  """
-  if os.path.isdir(target_dir) and os.listdir(target_dir):
-    old = staging_dir
-    if not exchange(staging_dir, target_dir):
-      old = staging_dir + ".old"
-      os.rename(target_dir, old)
-      os.rename(staging_dir, target_dir)
-    if durable:
-      fsync_dir(os.path.dirname(target_dir))
-    shutil.rmtree(old, ignore_errors=True)
-  else:
-    if os.path.isdir(target_dir):
-      os.rmdir(target_dir)
-    os.rename(staging_dir, target_dir)
-  if durable:
-    fsync_dir(os.path.dirname(target_dir))
-
-
-def interrupted_swap(target_dir: str, candidates: list[str] | None = None) -> str | None:
-  """The staging directory of a fallback swap into `target_dir` that died between its renames.
-
-  The old checkpoint was moved to `STAGING.old`, the new one (committed: its
-  manifest is written) still waits in `STAGING`, and `target_dir` is missing.
-  """
-  if os.path.lexists(target_dir):
-    return None
-  candidates = _location.staging_dirs(target_dir) if candidates is None else candidates
-  for staged in candidates:
-    if (
-      not staged.endswith(".old")
-      and os.path.isdir(staged + ".old")
-      and os.path.isfile(os.path.join(staged, _manifest.MANIFEST_KEY))
-    ):
-      return staged
-  return None
-
-
-def recover(target_dir: str, candidates: list[str] | None = None) -> None:
-  """Completes a fallback swap that died between its renames (the caller holds the lock)."""
-  staged = interrupted_swap(target_dir, candidates)
-  if staged is None:
-    return
-  os.rename(staged, target_dir)
-  fsync_dir(os.path.dirname(target_dir))
-  shutil.rmtree(staged + ".old", ignore_errors=True)
+    _swap.fsync_dir(staging.local_dir)
+  _swap.swap_into_place(staging.local_dir, target.local_dir, durable=durable)
 
 
 def abort(staging: _location.Location, target: _location.Location) -> None:
-  """Removes what a save wrote before it failed."""
+  """Removes what a save wrote before it failed (and puts back, on a local file system, an
+  old checkpoint that a swap which could not be undone left aside)."""
   if staging.local_dir is not None:
     if staging != target:
-      shutil.rmtree(staging.local_dir, ignore_errors=True)
+      _swap.drop_staging(staging.local_dir, target.local_dir)
     return
   if staging.url != target.url:
     prefix = staging.url[len(target.url) :]
     _location.kvstore(target).delete_range(_location.prefix_range(prefix)).result()
-
-
-def exchange(a: str, b: str) -> bool:
-  """Atomically swaps two directories (Linux renameat2); False where unsupported."""
-  try:
-    libc = ctypes.CDLL(None, use_errno=True)
-    renameat2 = libc.renameat2
-  except (OSError, AttributeError):
-    return False
-  at_fdcwd, rename_exchange = -100, 2
-  rc = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
-  return rc == 0
 
 
 def make_dirs(path: str, durable: bool = True) -> None:
@@ -373,19 +311,7 @@ def make_dirs(path: str, durable: bool = True) -> None:
     folder = os.path.dirname(folder)
   os.makedirs(path, exist_ok=True)
   for created in reversed(missing if durable else ()):
-    fsync_dir(os.path.dirname(created))
-
-
-def fsync_dir(path: str) -> None:
-  """Makes the entries of directory `path` durable."""
-  fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-  try:
-    os.fsync(fd)
-  except OSError as e:  # some file systems cannot fsync a directory; their renames are durable
-    if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
-      raise
-  finally:
-    os.close(fd)
+    _swap.fsync_dir(os.path.dirname(created))
 
 
 def _same_file(fd: int, path: str) -> bool:

@@ -113,7 +113,12 @@ class _Pool:
   and the buffers that came back are sorted into the free lists by whoever next holds it.
   """
 
-  def __init__(self):
+  def __init__(self, clock=time.monotonic, start_timer=None):
+    """`clock` tells the time of returns and trims; `start_timer(seconds, fn)` arranges
+    for `fn` to run later (a daemon `threading.Timer` by default). Tests pass their own,
+    and run `_trim` themselves: nothing then depends on the wall clock."""
+    self._clock = clock
+    self._start_timer = start_timer or _start_timer
     self._lock = threading.Lock()
     self._returned: collections.deque = collections.deque()  # (size, block, when)
     self._free: dict[int, list[tuple[float, mmap.mmap]]] = {}  # size -> [(freed at, block)]
@@ -144,7 +149,7 @@ class _Pool:
     return lease
 
   def _give_back(self, size: int, block: mmap.mmap) -> None:
-    self._returned.append((size, block, time.monotonic()))
+    self._returned.append((size, block, self._clock()))
     self._sort_stragglers()
 
   def _sort_stragglers(self) -> None:
@@ -171,17 +176,11 @@ class _Pool:
         self._free.setdefault(size, []).append((when, block))
         self._free_bytes += size
     if self._free and self._timer is None:
-      timer = threading.Timer(IDLE_SECONDS, self._trim)
-      timer.daemon = True
-      try:
-        timer.start()
-      except RuntimeError:  # no new threads (the interpreter is shutting down)
-        return
-      self._timer = timer
+      self._timer = self._start_timer(IDLE_SECONDS, self._trim)
 
   def _trim(self) -> None:
     """Drops the buffers unused for `IDLE_SECONDS`; runs again while any are left."""
-    cutoff = time.monotonic() - IDLE_SECONDS
+    cutoff = self._clock() - IDLE_SECONDS
     with self._held():
       for size, blocks in list(self._free.items()):
         kept = [b for b in blocks if b[0] > cutoff]
@@ -210,6 +209,17 @@ class _Pool:
     """In a forked child: no idle timer runs there, and the lock may have been held."""
     self._lock = threading.Lock()
     self._timer = None
+
+
+def _start_timer(seconds: float, fn) -> threading.Timer | None:
+  """Runs `fn` in `seconds` in a daemon thread (None: no new threads, at shutdown)."""
+  timer = threading.Timer(seconds, fn)
+  timer.daemon = True
+  try:
+    timer.start()
+  except RuntimeError:  # no new threads (the interpreter is shutting down)
+    return None
+  return timer
 
 
 POOL = _Pool()

@@ -25,6 +25,7 @@ from ucp_jax.store import (
   _manifest,
   _multihost,
   _regions,
+  _swap,
   _write_plan,
   _zarr,
 )
@@ -95,6 +96,9 @@ class Writer:
         status[:] = (1, token)
       except Exception as e:  # reported to the other processes, then raised here
         error = _location.storage_error(e, self.target, "starting the save", _NOTHING_LOST)
+      except BaseException:  # an interrupt: the lock must not stay held by this process
+        self._release()
+        raise
     status = self._sync.broadcast_from_primary(status, "starting the save")
     if error is not None:
       self._release()
@@ -267,11 +271,13 @@ class Writer:
       _commit.remove_replaced(self.target, self._data, self._replaced)
 
   def __exit__(self, exc_type, exc, tb) -> None:
-    if exc_type is not None:
-      self._wait_inflight()  # no chunk may land in the staging folder after it is gone
-    if exc_type is not None and self._primary and self.staging is not None:
-      _commit.abort(self.staging, self.target)
-    self._release()
+    try:
+      if exc_type is not None:
+        self._wait_inflight()  # no chunk may land in the staging folder after it is gone
+      if exc_type is not None and self._primary and self.staging is not None:
+        _commit.abort(self.staging, self.target)  # puts back an old checkpoint left aside
+    finally:
+      self._release()
 
   def _release(self) -> None:
     if self._lock is not None:
@@ -433,7 +439,7 @@ def _fsync_dirs(dirs: set[str]) -> None:
 
 def _fsync_if_present(path: str) -> None:
   with contextlib.suppress(FileNotFoundError):
-    _commit.fsync_dir(path)
+    _swap.fsync_dir(path)
 
 
 def _write_groups(location: _location.Location, keys: list[str], durable: bool = True) -> None:

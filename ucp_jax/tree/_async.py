@@ -3,10 +3,11 @@
 Only the device-to-host copy blocks the caller. The copies are real host copies
 (never views of device buffers), so the next training step may donate or
 overwrite the state while the write goes on. One async save is in flight at a
-time: the next `save`/`save_async`/`wait_until_finished` waits for it first, and
-raises its error if nobody has seen it yet. Multi-process saves agree through
-`jax.distributed`'s key-value store (`_multihost.Sync`), never through device
-collectives, so the background thread cannot interleave collectives with a step.
+time, whatever threads call it: the next `save`/`save_async`/`wait_until_finished`
+waits for it first, and raises its error, once, if nobody has seen it yet
+(`_pending`). Multi-process saves agree through `jax.distributed`'s key-value store
+(`_multihost.Sync`), never through device collectives, so the background thread cannot
+interleave collectives with a step.
 """
 
 from __future__ import annotations
@@ -71,10 +72,11 @@ def save_async(
   memory (every copy started at once); the arrays, creation, writes and commit
   then run in a background thread, so training continues, and may donate or
   overwrite the state. Host memory holds a copy of this process's shards until
-  the write is done. A later `save`, `save_async` or `wait_until_finished` first
-  waits for this save; if it failed, the first of these (or `result()`) raises
-  its error, and the previous checkpoint at `path` is left as it was. Options
-  are those of `save`; every process of a multi-process run calls it.
+  the write is done. A later `save`, `save_async` or `wait_until_finished`, from
+  any thread, first waits for this save (one is in flight at a time); if it failed,
+  the first of these (or `result()`) raises its error, once, and the previous
+  checkpoint at `path` is left as it was. Options are those of `save`; every process
+  of a multi-process run calls it.
 
   Example:
     >>> import jax.numpy as jnp, ucp_jax
@@ -101,23 +103,26 @@ def save_async(
     A `SaveHandle`: `done()`, and `result()`, which returns the checkpoint's
     location or raises the save's error.
   """
-  _pending.wait_until_finished()
-  job = snapshot(
-    path,
-    tree,
-    overwrite=overwrite,
-    compression=compression,
-    max_host_bytes=max_host_bytes,
-    durable=durable,
-    step=step,
-    metadata=metadata,
-    chunk_bytes=chunk_bytes,
-    bundle_bytes=bundle_bytes,
-    schema=schema,
-    source=source,
-  )
-  handle = SaveHandle(str(job.target))
-  _pending.start(handle, job.run, name=f"ucp_jax.save_async {path}")
+  turn = _pending.claim()  # waits for the save_async before this one (any thread's) ...
+  try:  # ... and raises its error; the turn passes to the background write, or back
+    job = snapshot(
+      path,
+      tree,
+      overwrite=overwrite,
+      compression=compression,
+      max_host_bytes=max_host_bytes,
+      durable=durable,
+      step=step,
+      metadata=metadata,
+      chunk_bytes=chunk_bytes,
+      bundle_bytes=bundle_bytes,
+      schema=schema,
+      source=source,
+    )
+    handle = SaveHandle(str(job.target))
+    _pending.start(turn, handle, job.run, name=f"ucp_jax.save_async {path}")
+  finally:
+    _pending.release(turn)
   return handle
 
 

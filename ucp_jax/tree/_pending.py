@@ -1,7 +1,9 @@
 """The one `save_async` in flight per process: its handle, and waiting for it.
 
-`save`, `save_async` and `wait_until_finished` all wait here for the save before them,
-and raise its error if nobody has seen it yet.
+`save`, `save_async` and `wait_until_finished` all wait here for the save before them, from
+whichever thread they are called, and raise its error if nobody has seen it yet. A
+`save_async` reserves its turn (`claim`) before it copies the state, so two threads never
+have two in flight, and each error reaches exactly one caller of these functions.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ import sys
 import threading
 from collections.abc import Callable
 
-_lock = threading.Lock()
-_pending: SaveHandle | None = None  # the last save_async of this process
+_changed = threading.Condition()  # guards the three below; notified when any changes
+_last: SaveHandle | None = None  # the last save_async: running, or failed and not yet reported
+_claimed: object | None = None  # the turn of a save_async copying its state (see `claim`)
 
 
 class SaveHandle:
@@ -22,7 +25,7 @@ class SaveHandle:
     self._location = location
     self._finished = threading.Event()
     self._error: BaseException | None = None
-    self._seen = False  # the error was raised to the caller once already
+    self._seen = False  # the error was raised to a caller once already (guarded by _changed)
 
   def done(self) -> bool:
     """True once the checkpoint is committed or the save has failed."""
@@ -37,7 +40,8 @@ class SaveHandle:
     if not self._finished.wait(timeout):
       raise TimeoutError(f"{self._location}: the save is still running after {timeout} s")
     if self._error is not None:
-      self._seen = True
+      with _changed:
+        self._seen = True  # the caller holding the handle has it: not raised again elsewhere
       raise self._error
     return self._location
 
@@ -49,20 +53,63 @@ class SaveHandle:
         e.add_note(f"raised by the background write of save_async({self._location!r})")
       self._error = e
     finally:
-      self._finished.set()
+      with _changed:
+        self._finished.set()
+        _changed.notify_all()
 
 
-def start(handle: SaveHandle, write: Callable[[], object], *, name: str) -> None:
-  """Runs `write` in a background thread as the save `handle` stands for."""
-  global _pending
+def claim() -> object:
+  """Reserves the next `save_async` of this process for the caller; returns the turn.
+
+  Waits until no other `save_async` is starting or running, in any thread; if the last
+  one failed and nobody has seen its error, raises it instead (nothing is reserved then).
+  The caller then passes the turn to `start`, or to `release` in any case (a turn already
+  started or released is left alone).
+  """
+  global _claimed
+  turn = object()
+  with _changed:
+    error = _wait_and_take_error()
+    if error is None:
+      _claimed = turn
+  if error is not None:
+    raise error
+  return turn
+
+
+def release(turn: object) -> None:
+  """Gives back `turn` if its save did not start."""
+  global _claimed
+  with _changed:
+    if _claimed is turn:
+      _claimed = None
+      _changed.notify_all()
+
+
+def start(turn: object, handle: SaveHandle, write: Callable[[], object], *, name: str) -> None:
+  """Runs `write` in a background thread as the save `handle` stands for, in `turn`."""
+  global _last
   thread = threading.Thread(target=handle._run, args=(write,), name=name)
-  with _lock:
-    _pending = handle
-  thread.start()
+  with _changed:
+    _last = handle  # waited for from now on ...
+  try:
+    thread.start()
+  except BaseException as e:
+    if thread.ident is None:  # ... unless it never ran: then its error is the caller's
+      with _changed:
+        handle._error, handle._seen = e, True
+        handle._finished.set()
+    raise
+  finally:
+    release(turn)
 
 
 def wait_until_finished() -> None:
   """Waits for this process's last `save_async`; raises its error if not raised yet.
+
+  Any thread may call it; a `save_async` that another thread is starting is waited for
+  too. The error of a failed save is raised once, to the first caller of this function,
+  `save` or `save_async` (or of the handle's `result`).
 
   Example:
     >>> import jax.numpy as jnp, ucp_jax
@@ -71,17 +118,23 @@ def wait_until_finished() -> None:
     >>> ucp_jax.open("/tmp/ucp_doc_wait").keys()
     ['w']
   """
-  global _pending
-  handle = _pending
-  if handle is None:
-    return
-  handle._finished.wait()
-  with _lock:
-    if _pending is handle:
-      _pending = None
-  if handle._error is not None and not handle._seen:
-    handle._seen = True
-    raise handle._error
+  with _changed:
+    error = _wait_and_take_error()
+  if error is not None:
+    raise error
+
+
+def _wait_and_take_error() -> BaseException | None:
+  """(`_changed` held.) Waits until no save_async is starting or running; returns the last
+  one's error if nobody has seen it (now they have), and forgets that save."""
+  global _last
+  while _claimed is not None or (_last is not None and not _last.done()):
+    _changed.wait()
+  handle, _last = _last, None
+  if handle is None or handle._error is None or handle._seen:
+    return None
+  handle._seen = True
+  return handle._error
 
 
 @atexit.register
@@ -90,7 +143,7 @@ def _report_unseen_error() -> None:
 
   Runs after Python has joined the (non-daemon) writer thread.
   """
-  handle = _pending
+  handle = _last
   if handle is not None and handle._error is not None and not handle._seen:
     print(
       f"ucp_jax: save_async({handle._location!r}) failed and nobody waited for it; "
