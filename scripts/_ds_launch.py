@@ -1,7 +1,7 @@
 """Real DeepSpeed on this CPU machine: gloo ranks as local processes, and its own converter.
 
 Shared by the fixture generators, the benchmarks, the cross-framework demo and the live
-tests (see shared/DEEPSPEED_ON_CPU.md for why it is done this way).
+tests (see docs/deepspeed_on_cpu.md for why it is done this way).
 """
 
 from __future__ import annotations

@@ -44,7 +44,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _ds_launch import launch_ranks
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = REPO / "tests" / "fixtures" / "dcp"
 SMALL = {"vocab_size": 32, "max_len": 8, "num_layers": 1, "num_heads": 2, "d_model": 16}
 SMALL_HYPER = {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
 TOLERANCE = 1e-5
@@ -371,7 +370,12 @@ def _full_state(folder: Path) -> dict:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="fixture folder (replaced)")
+  parser.add_argument(
+    "--out",
+    type=Path,
+    required=True,
+    help="output folder (the committed fixtures: tests/fixtures/dcp)",
+  )
   parser.add_argument("--live", type=Path, help="run the live round trips in this folder")
   parser.add_argument("--rank-job", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)

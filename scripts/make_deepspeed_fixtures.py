@@ -21,7 +21,7 @@ Usage::
 
 Ranks are spawned as plain processes (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/
 ``MASTER_PORT``), one fixture at a time. Needs torch==2.13.0 and deepspeed==0.19.8 (see
-shared/DEEPSPEED_ON_CPU.md). Regenerating gives byte-identical .pt files (fixed seeds,
+docs/deepspeed_on_cpu.md). Regenerating gives byte-identical .pt files (fixed seeds,
 deterministic data, one thread per rank, uninitialized memory filled with NaN); about 3 minutes
 on 2 cores. docs/deepspeed_layouts.md describes what the files contain.
 """
@@ -42,7 +42,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _ds_launch import ds_to_universal, install_fixture, launch_ranks
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = REPO_ROOT / "tests" / "fixtures" / "deepspeed"
 
 SEED = 1234
 VOCAB = 37
@@ -321,7 +320,10 @@ def main(argv: list[str] | None = None) -> int:
     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
   )
   parser.add_argument(
-    "--out", type=Path, default=DEFAULT_OUT, help="output folder (default: %(default)s)"
+    "--out",
+    type=Path,
+    required=True,
+    help="output folder (the committed fixtures: tests/fixtures/deepspeed)",
   )
   parser.add_argument(
     "--only", action="append", choices=sorted(FIXTURES), help="fixture to make (repeatable)"

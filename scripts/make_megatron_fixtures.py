@@ -42,7 +42,6 @@ from _ds_launch import ds_to_universal, install_fixture, launch_ranks
 from make_deepspeed_fixtures import _dir_size
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = REPO_ROOT / "tests" / "fixtures" / "tp"
 NAME = "megatron_tp2"
 TP = 2
 SEED = 99
@@ -299,7 +298,12 @@ def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
   )
-  parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+  parser.add_argument(
+    "--out",
+    type=Path,
+    required=True,
+    help="output folder (the committed fixtures: tests/fixtures/tp)",
+  )
   parser.add_argument("--worker", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.worker:

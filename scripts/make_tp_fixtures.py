@@ -64,7 +64,6 @@ from _ds_launch import ds_to_universal, install_fixture, launch_ranks
 from make_deepspeed_fixtures import RECOVERY_SCRIPTS, _dir_size
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = REPO_ROOT / "tests" / "fixtures" / "tp"
 
 SEED = 4321
 STEPS = 3
@@ -553,7 +552,12 @@ def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
   )
-  parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+  parser.add_argument(
+    "--out",
+    type=Path,
+    required=True,
+    help="output folder (the committed fixtures: tests/fixtures/tp)",
+  )
   parser.add_argument("--only", action="append", choices=sorted(FIXTURES))
   parser.add_argument("--list", action="store_true")
   parser.add_argument("--worker", help=argparse.SUPPRESS)
