@@ -360,3 +360,37 @@ def test_plain_optax_hyperparameters_are_read_from_the_optimizer(tmp_path):
     assert group.items() <= optimizer["groups"][0].items(), optimizer["groups"]
     if "lr" not in group:
       assert "lr" not in optimizer["groups"][0]  # a schedule is no number: not guessed
+
+
+def test_a_linen_state_into_an_nnx_model_is_one_line_with_a_recipe(tmp_path):
+  import flax.linen as nn
+  from flax.training import train_state
+
+  module = nn.Dense(4)
+  params = module.init(jax.random.key(0), jnp.ones((1, 3)))
+  state = train_state.TrainState.create(apply_fn=module.apply, params=params, tx=optax.adam(1e-2))
+  ucp_jax.save_train_state(tmp_path / "linen", state)
+  model = nnx.Linear(3, 4, rngs=nnx.Rngs(1))
+  with pytest.raises(ucp_jax.TreeMismatchError) as e:
+    ucp_jax.restore_train_state(
+      tmp_path / "linen", model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    )
+  message = str(e.value)
+  assert (
+    len(message.splitlines()) == 1 and "holds a Linen TrainState (keys under params/)" in message
+  )
+  restored = ucp_jax.restore(
+    tmp_path / "linen", nnx.state(model, nnx.Param), subtree="params/params"
+  )
+  nnx.update(model, restored)  # the recipe the message gives
+  np.testing.assert_array_equal(model.kernel[...], params["params"]["kernel"])
+
+
+def test_a_mismatch_hints_what_restore_train_state_takes(tmp_path):
+  _saved_with(tmp_path, optax.adamw(1e-2))
+  other = nnx.Linear(8, 4, rngs=nnx.Rngs(0))  # another model: keys differ
+  with pytest.raises(ucp_jax.TreeMismatchError) as e:
+    ucp_jax.restore_train_state(
+      tmp_path / "c", other, nnx.Optimizer(other, optax.adamw(1e-2), wrt=nnx.Param)
+    )
+  assert "partial=True" not in str(e.value) and "params_only=True" in str(e.value)

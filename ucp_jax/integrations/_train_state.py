@@ -137,14 +137,46 @@ def restore_train_state(
   else:
     _check_states(ckpt, schema, slots)
   if naming == "flax" and rules is None:
+    _check_layouts(ckpt, layout, target)
     asked, back = _scalars_as_stored(target, ckpt)
     asked = _place_stragglers(asked, layout, slots)  # numbers asked as arrays join the mesh
-    restored = _restore.restore(ckpt, _keypath.nest(asked), partial=params_only, **options)
+    try:
+      restored = _restore.restore(ckpt, _keypath.nest(asked), partial=params_only, **options)
+    except _errors.TreeMismatchError as e:  # in this function's words
+      hint = "leave them out: params_only=True restores the model's parameters alone"
+      raise _errors.TreeMismatchError(str(e).replace("pass partial=True to skip", hint)) from None
     values, _ = _tree.flatten(restored)
     values.update((k, _like(target[k], values[k])) for k in back)
   else:
     values = _Converted(ckpt, target, layout, slots, rules).restore(options)
   return _apply(model, optimizer, unflatten({**kept, **values, **holes}))
+
+
+_LAYOUTS = {"model": "an NNX model and optimizer", "params": "a Linen TrainState"}
+
+
+def _check_layouts(ckpt, layout, target: dict[str, Any]) -> None:
+  """Refuses, in one line, a checkpoint of the other Flax API's training state (a Linen
+  TrainState into an NNX model, or back): their keys share nothing, and a list of every key
+  on both sides would hide why."""
+  saved = {k.split("/", 1)[0] for k in ckpt.keys()}
+  if layout.params_prefix in saved or not target:
+    return
+  other = next((p for p in _LAYOUTS if p in saved and p != layout.params_prefix), None)
+  if other is None:
+    return
+  recipe = (
+    "ucp_jax.restore(path, nnx.state(model, nnx.Param), subtree='params/params') reads its "
+    "parameters into an NNX model whose modules are named like the Linen ones"
+    if other == "params"
+    else "ucp_jax.restore(path, {'params': params}, subtree='model') reads its parameters "
+    "into a Linen params tree named like the NNX modules"
+  )
+  raise _errors.TreeMismatchError(
+    f"{ckpt.location}: this checkpoint holds {_LAYOUTS[other]} (keys under {other}/), the "
+    f"target is {_LAYOUTS[layout.params_prefix]} (keys under {layout.params_prefix}/): their "
+    f"keys share nothing; {recipe}"
+  )
 
 
 def _check_states(ckpt, schema: dict, slots: _optax.SlotMap) -> None:
