@@ -1,6 +1,7 @@
 """The `ucp` command line, run as a user runs it."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -235,3 +236,24 @@ def test_diff_says_how_many_keys_it_did_not_list(tmp_path, capsys):
   assert _cli.main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
   out = capsys.readouterr().out
   assert out.count("  only in ") == 20 and f"... and 4 more only in {tmp_path / 'a'}" in out
+
+
+def test_native_log_lines_are_kept_out_of_a_logged_command():
+  code = (
+    "import os\n"
+    "from ucp_jax import _native_logs\n"
+    "with _native_logs.filtered():\n"
+    "  os.write(2, b'WARNING: All log messages before absl::InitializeLog() is called are "
+    "written to STDERR\\n')\n"
+    "  os.write(2, b'E1201 15:40:09.023765   22884 google_auth_provider.cc:188] Could not find "
+    "the credentials file\\n')\n"
+    "  os.write(2, b'error: a line of ours\\n')\n"
+    "  os.write(2, b'W1201 15:40:09.1 1 x.cc:1] partial')\n"
+    "os.write(2, b'after\\n')\n"
+  )
+  run = subprocess.run([sys.executable, "-c", code], capture_output=True)
+  assert run.returncode == 0 and run.stderr == b"error: a line of ours\nafter\n", run.stderr
+  kept = subprocess.run(
+    [sys.executable, "-c", code], capture_output=True, env={**os.environ, "UCP_NATIVE_LOGS": "1"}
+  )
+  assert b"google_auth_provider.cc:188]" in kept.stderr

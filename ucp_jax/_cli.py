@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from ucp_jax import _errors, _rule_specs
+from ucp_jax import _errors, _native_logs, _rule_specs
 from ucp_jax.store import _reader
 
 _COMMANDS = {}
@@ -473,7 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     _startup.done()
     args = build_parser().parse_args(argv)
     out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 1 << 16)
-    return _COMMANDS[args.command](args, out, err)
+    with _native_logs.filtered():
+      return _COMMANDS[args.command](args, out, err)
   except (_errors.UcpError, OSError) as e:  # bad input: one message; a bug keeps its traceback
     err.print("[red]error:[/red]", escape(_message(e)), highlight=False)
     return 2
