@@ -109,6 +109,7 @@ def test_the_schema_is_the_one_save_train_state_writes(tmp_path):
   expected = ucp_jax.open(tmp_path / "ucp").manifest.schema
   got = ucp_jax.open(ours.dst).manifest.schema
   assert got["params"] == expected["params"]
+  assert ours.params == len(expected["params"]) > 0  # the report counts them too
   # Orbax records no Optax state classes (adam's and adabelief's are both `mu`, `nu`), and
   # no hyperparameters but those given (or injected)
   want = {k: v for k, v in expected["optimizer"].items() if k != "states"}

@@ -133,7 +133,7 @@ def convert(
     dst=str(target),
     format=plan.format,
     step=plan.step,
-    params=len(plan.params),
+    params=len((manifest.schema or {}).get("params") or {}),
     arrays=len(manifest.arrays),
     bytes=manifest.nbytes,
     seconds=time.perf_counter() - start,
