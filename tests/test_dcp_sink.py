@@ -153,3 +153,19 @@ def importlib_missing(name: str) -> bool:
     return importlib.util.find_spec(name) is None
   except ModuleNotFoundError:
     return True
+
+
+def test_an_export_says_which_client_state_entries_it_did_not_write(tmp_path):
+  state = {"fc.weight": np.ones((4, 2), np.float32)}
+  schema = {
+    "version": 1,
+    "naming": "torch",
+    "params": {"fc.weight": {"value": "params/fc.weight"}},
+    "extra": {"client_state": {"epoch": 3, "name": "run-a", "lr": 0.1}},
+  }
+  ucp_jax.save(tmp_path / "ckpt", {"params": state}, schema=schema)
+  report = ucp_jax.export(tmp_path / "ckpt", tmp_path / "out", format="dcp")
+  assert (
+    "not written: the source's other entries (epoch, lr, name); the checkpoint keeps them in "
+    "its schema's extra.client_state, not as DCP state"
+  ) in report.notes

@@ -89,6 +89,12 @@ def export(
   notes = list(plan.not_carried) if plan is not None else []
   if plan is None and any((e or {}).get("slots") for e in (schema.get("params") or {}).values()):
     notes.append("the schema names optimizer slots but no optimizer groups: weights only")
+  client = (schema.get("extra") or {}).get("client_state")
+  if isinstance(client, dict) and client:
+    notes.append(
+      f"not written: the source's other entries ({', '.join(sorted(map(str, client)))}); "
+      "the checkpoint keeps them in its schema's extra.client_state, not as DCP state"
+    )
   names = [f"__{r}_0.distcp" for r in range(ranks)]
   written = 0
   with _folder.staged(dst) as staging:
