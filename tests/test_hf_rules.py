@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 
 import ucp_jax
-from ucp_jax import _cli, models, rules
+from ucp_jax import _cli, _rule_specs, models, rules
 from ucp_jax.models import llama
 
 torch = pytest.importorskip("torch")
@@ -222,15 +222,15 @@ def test_from_hf_refuses_what_the_reference_models_do_not_compute(tmp_path):
   with pytest.raises(ucp_jax.MappingError) as e:
     rules.from_hf(bad)
   assert str(e.value) == (
-    "config.json (llama): the reference Flax model cannot run it:\n"
-    "  intermediate_size: missing\n"
-    "  hidden_act: 'quick_gelu' is not one of silu, swish, gelu_new, gelu_pytorch_tanh, "
-    "gelu_fast, gelu, relu\n"
-    "  rope_type 'yarn': supported are default, linear, llama3"
+    "config.json (llama): the reference Flax model cannot run it: "
+    "`intermediate_size`: missing; "
+    "`hidden_act`: 'quick_gelu' is not one of silu, swish, gelu_new, gelu_pytorch_tanh, "
+    "gelu_fast, gelu, relu; "
+    "rope_type 'yarn': supported are default, linear, llama3"
   )
   with pytest.raises(
     ucp_jax.MappingError,
-    match="model_type 'phi3' has no ready rule set; ready: gpt2, llama, mistral, qwen2, qwen3, gemma",
+    match="`model_type` 'phi3' has no ready rule set; ready: gpt2, llama, mistral, qwen2, qwen3, gemma",
   ):
     rules.from_hf({"model_type": "phi3"})
   mixed = dict(
@@ -295,13 +295,15 @@ def test_cli_rules_take_any_rule_set(tmp_path, monkeypatch):
   hf.save_pretrained(tmp_path / "hf")
   for stacked in (False, True):
     expected = rules.from_hf(hf, stacked=stacked)[0]
-    assert _cli._rule_set(f"hf:config={tmp_path / 'hf'},stacked={str(stacked).lower()}") == expected
+    assert (
+      _rule_specs.parse(f"hf:config={tmp_path / 'hf'},stacked={str(stacked).lower()}") == expected
+    )
   # a Flax-named checkpoint tells whether its layers are stacked; --config names the config.json
   model = models.build(rules.from_hf(hf)[1], rngs=nnx.Rngs(0), scan=True)
   ucp_jax.save(tmp_path / "flax", {"params": nnx.state(model, nnx.Param)})
-  made = _cli._rule_set("hf", str(tmp_path / "flax"), str(tmp_path / "hf" / "config.json"))
+  made = _rule_specs.parse("hf", str(tmp_path / "flax"), str(tmp_path / "hf" / "config.json"))
   assert made == rules.from_hf(hf, stacked=True)[0]
-  assert _cli._rule_set("hf_llama:num_heads=4,num_kv_heads=2,prefix=") == rules.hf_llama(
+  assert _rule_specs.parse("hf_llama:num_heads=4,num_kv_heads=2,prefix=") == rules.hf_llama(
     num_heads=4, num_kv_heads=2, prefix=""
   )
 
@@ -315,7 +317,7 @@ def test_cli_rules_take_any_rule_set(tmp_path, monkeypatch):
   )
   monkeypatch.chdir(tmp_path)
   monkeypatch.setattr(sys, "path", list(sys.path))
-  made = _cli._rule_set("my_rules:make:heads=4,prefix=,scale=0.5")
+  made = _rule_specs.parse("my_rules:make:heads=4,prefix=,scale=0.5")
   assert made == rules.hf_llama(num_heads=4, num_kv_heads=2, prefix="")
   problems = {
     "no_such_module:make": "no module 'no_such_module' to import",
@@ -329,9 +331,9 @@ def test_cli_rules_take_any_rule_set(tmp_path, monkeypatch):
   }
   for spec, problem in problems.items():
     with pytest.raises(ucp_jax.MappingError, match=re.escape(problem)):
-      _cli._rule_set(spec)
+      _rule_specs.parse(spec)
   with pytest.raises(ucp_jax.MappingError, match=r"hf:config=PATH or --config"):
-    _cli._rule_set("hf", str(tmp_path / "flax"))
+    _rule_specs.parse("hf", str(tmp_path / "flax"))
 
 
 def test_a_hugging_face_model_trained_in_flax_exports_back_through_the_cli(tmp_path, capsys):

@@ -26,7 +26,6 @@ checkpoint, rs)` (into a live model), `check_forward(torch_model, flax_model, rs
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -48,7 +47,8 @@ from ucp_jax.mapping._transforms import Transform as Transform
 from ucp_jax.models import gpt
 from ucp_jax.models import llama as _llama
 from ucp_jax.models._hf import config_from_hf
-from ucp_jax.store import _reader
+from ucp_jax.sources.hf import _source as hf_source
+from ucp_jax.store import _reader, _untrusted
 
 
 def transpose(axes: Sequence[int] | None = None) -> Transform:
@@ -146,8 +146,8 @@ def from_hf(
     MappingError: a model type without a ready rule set, a missing size, a feature the
       reference models do not compute, a checkpoint that recorded no config.
   """
-  hf, names = _hf_config(config)
-  cfg = config_from_hf(hf)
+  hf, names, where = _hf_config(config)
+  cfg = config_from_hf(hf, where=where)
   family = "gpt2" if isinstance(cfg, gpt.GPTConfig) else "llama"
   if prefix is None:
     prefix = _prefix(family, hf, names)
@@ -183,30 +183,35 @@ def _prefix(family: str, hf: Mapping, names: list[str] | None) -> str:
   return full
 
 
-def _hf_config(config: Any) -> tuple[dict, list[str] | None]:
-  """The config as a dict, and the weight names where `config` brings them."""
+def _hf_config(config: Any) -> tuple[dict, list[str] | None, str]:
+  """The config as a dict, the weight names where `config` brings them, and where it is from
+  (for messages)."""
   if isinstance(config, Mapping):
-    return dict(config), None
+    return dict(config), None, "config.json"
   if isinstance(config, _reader.Checkpoint):
-    return _recorded(config), [k.split("/", 1)[1] for k in config.keys() if k.startswith("params/")]
+    names = [k.split("/", 1)[1] for k in config.keys() if k.startswith("params/")]
+    return _recorded(config), names, f"{config.location}: the manifest's `source.config`"
   if hasattr(config, "to_dict"):  # a transformers config
-    return config.to_dict(), None
+    return config.to_dict(), None, "config.json"
   if hasattr(getattr(config, "config", None), "to_dict") and hasattr(config, "state_dict"):
-    return config.config.to_dict(), list(config.state_dict())
+    return config.config.to_dict(), list(config.state_dict()), "config.json"
   if not isinstance(config, (str, os.PathLike)):
     raise _errors.MappingError(f"from_hf: {config!r} is not a config.json, dict or checkpoint")
   path = os.fspath(config)
-  if os.path.isfile(path):
-    return _read_json(path), None
-  if os.path.isfile(os.path.join(path, "config.json")):
-    return _read_json(os.path.join(path, "config.json")), _names_in(path)
+  if os.path.isdir(path):
+    file = os.path.join(path, "config.json")
+    if os.path.lexists(file):  # the folder's own: a link may not leave it
+      return _read_json(file, inside=path), _names_in(path), file
+  elif os.path.lexists(path):  # a file named by the caller: a FIFO or a device is refused
+    return _read_json(path), None, path
   return _hf_config(_reader.open(path))
 
 
 def _recorded(ckpt: _reader.Checkpoint) -> dict:
   config = ckpt.manifest.source.get("config")
+  where = f"{ckpt.location}: the manifest's `source.config`"
   if isinstance(config, str):
-    config = json.loads(config)
+    config = hf_source.parse_config(config, where, _errors.MappingError)
   if not isinstance(config, Mapping):
     raise _errors.MappingError(
       f"{ckpt.location}: the checkpoint recorded no Hugging Face config.json; pass the "
@@ -215,15 +220,16 @@ def _recorded(ckpt: _reader.Checkpoint) -> dict:
   return dict(config)
 
 
-def _read_json(path: str) -> dict:
+def _read_json(path: str, inside: str | None = None) -> dict:
+  """A `config.json` file, checked as every reader checks untrusted metadata."""
   try:
-    with open(path, encoding="utf-8") as f:
-      config = json.load(f)
-  except (OSError, ValueError) as e:
-    raise _errors.MappingError(f"{path}: not a readable config.json ({e})") from None
-  if not isinstance(config, dict):
-    raise _errors.MappingError(f"{path}: a config.json holds a JSON object")
-  return config
+    with _untrusted.open_regular(path, _errors.MappingError, inside=inside) as f:
+      raw = f.read(hf_source.MAX_CONFIG_BYTES + 1)
+  except OSError as e:
+    raise _errors.MappingError(f"{path}: not a readable config.json ({e.strerror or e})") from None
+  if len(raw) > hf_source.MAX_CONFIG_BYTES:
+    raise _errors.MappingError(f"{path}: larger than {hf_source.MAX_CONFIG_BYTES} bytes")
+  return hf_source.parse_config(raw, path, _errors.MappingError)
 
 
 def _names_in(folder: str) -> list[str] | None:

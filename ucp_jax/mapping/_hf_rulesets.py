@@ -10,7 +10,9 @@ and the model config from a `config.json`.
 from __future__ import annotations
 
 import re
+from typing import Any
 
+from ucp_jax import _errors
 from ucp_jax.mapping._mapping import RuleSet
 from ucp_jax.mapping._rule import Rule
 from ucp_jax.mapping._rulesets import layer_rules
@@ -55,6 +57,14 @@ def hf_llama(
     prefix: what precedes `embed_tokens`, `layers` and `norm` in the names: `model.` for
       the `...ForCausalLM` classes, `""` for a bare `LlamaModel`.
   """
+  _check_options(
+    "hf_llama",
+    num_heads=num_heads,
+    num_kv_heads=num_kv_heads,
+    tied=tied,
+    stacked=stacked,
+    prefix=prefix,
+  )
   q, kv = (num_heads, -1), (num_kv_heads, -1)
   table = [
     ("self_attn.q_proj.weight", "attn/q/kernel", [_T, Split(1, q)]),
@@ -117,6 +127,7 @@ def hf_gpt2(
     prefix: what precedes `wte`, `h` and `ln_f` in the names: `transformer.` for
       `GPT2LMHeadModel`, `""` for a bare `GPT2Model` (the original `gpt2` checkpoints).
   """
+  _check_options("hf_gpt2", num_heads=num_heads, tied=tied, stacked=stacked, prefix=prefix)
   heads = (num_heads, -1)
   table = [
     ("ln_1.weight", "ln_1/scale", []),
@@ -144,6 +155,28 @@ def hf_gpt2(
       _head("wte/embedding", tied),
     ]
   )
+
+
+def _check_options(function: str, **options: Any) -> None:
+  """Raises `InvalidArgumentError` naming every option of the wrong type (from a config.json
+  or a command line, they may be anything)."""
+  wants = {"num_heads": "a positive integer", "num_kv_heads": "a positive integer"}
+  wants |= {"tied": "true or false", "stacked": "true or false", "prefix": "a string"}
+  bad = [
+    f"{name}={value!r} is not {wants[name]}"
+    for name, value in options.items()
+    if not _fits(wants[name], value)
+  ]
+  if bad:
+    raise _errors.InvalidArgumentError(f"{function}: {'; '.join(bad)}")
+
+
+def _fits(want: str, value: Any) -> bool:
+  if want == "true or false":
+    return isinstance(value, bool)
+  if want == "a string":
+    return isinstance(value, str)
+  return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _head(embedding: str, tied: bool) -> Rule:

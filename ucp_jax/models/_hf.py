@@ -8,6 +8,7 @@ model the reference models would compute differently.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,7 +43,13 @@ ACTIVATIONS = {
 """`transformers` activation names -> `ucp_jax.models._common.ACTIVATIONS` keys."""
 
 
-def config_from_hf(config: Mapping[str, Any]) -> gpt.GPTConfig | llama.LlamaConfig:
+MAX_SIZE = 1 << 31
+"""The largest size (vocabulary, width, layers, heads, positions) a config may give."""
+
+
+def config_from_hf(
+  config: Mapping[str, Any], *, where: str = "config.json"
+) -> gpt.GPTConfig | llama.LlamaConfig:
   """The `GPTConfig` or `LlamaConfig` that computes what the `config.json` `config` describes.
 
   Example:
@@ -52,26 +59,39 @@ def config_from_hf(config: Mapping[str, Any]) -> gpt.GPTConfig | llama.LlamaConf
     ...   "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "rope_theta": 1e6}).qkv_bias
     True
 
+  Args:
+    config: the `config.json` as a dict.
+    where: the file it came from, for messages.
+
   Raises:
-    MappingError: a model type without a reference model, a missing size, or a feature
-      the reference models do not compute (every one, at once).
+    MappingError: a model type without a reference model, a field of the wrong type, a
+      missing size, or a feature the reference models do not compute (every one, on one
+      line naming `where`).
   """
+  if not isinstance(config, Mapping):
+    raise _errors.MappingError(f"{where}: {_shown(config)} is not a JSON object")
   kind = config.get("model_type")
   if kind == "gpt2":
-    return _gpt2(config)
-  if kind in LLAMA_LIKE:
-    return _llama(config, kind)
+    return _gpt2(config, where)
+  if isinstance(kind, str) and kind in LLAMA_LIKE:
+    return _llama(config, kind, where)
   raise _errors.MappingError(
-    f"config.json: model_type {kind!r} has no ready rule set; ready: {', '.join(FAMILIES)} "
+    f"{where}: `model_type` {_shown(kind)} has no ready rule set; ready: {', '.join(FAMILIES)} "
     "(for another, write a RuleSet: docs/mapping.md)"
   )
 
 
-class _Reader:
-  """Reads fields, collecting every problem."""
+def _shown(value: Any) -> str:
+  text = repr(value)
+  return text if len(text) <= 60 else text[:57] + "..."
 
-  def __init__(self, config: Mapping[str, Any], defaults: Mapping[str, Any] | None = None):
-    self.config, self.defaults, self.problems = config, defaults or {}, []
+
+class _Reader:
+  """Reads fields, each checked for its type, collecting every problem."""
+
+  def __init__(self, config: Mapping[str, Any], where: str, defaults: Mapping | None = None):
+    self.config, self.where, self.defaults, self.problems = config, where, defaults or {}, []
+    self.names("architectures")  # read by `ucp_jax.rules.from_hf` for the names' prefix
 
   def __call__(self, key: str, default: Any = None) -> Any:
     value = self.config.get(key)
@@ -79,16 +99,51 @@ class _Reader:
       value = self.defaults.get(key, default)
     return value
 
-  def required(self, key: str) -> Any:
+  def _checked(self, key: str, value: Any, ok: bool, what: str, fallback: Any) -> Any:
+    if value is None or ok:
+      return value
+    self.problems.append(f"`{key}`: {_shown(value)} is not {what}")
+    return fallback
+
+  def size(self, key: str, default: Any = None, *, required: bool = False) -> Any:
+    """A positive integer (at most `MAX_SIZE`), or None where absent and not required."""
+    value = self(key, default)
+    if value is None and required:
+      self.problems.append(f"`{key}`: missing")
+    return self._checked(key, value, _is_int(value, 1, MAX_SIZE), "a positive integer", 1)
+
+  def integer(self, key: str, default: Any = None) -> Any:
+    value = self(key, default)
+    return self._checked(key, value, _is_int(value, -MAX_SIZE, MAX_SIZE), "an integer", 0)
+
+  def number(self, key: str, default: float, *, value: Any = None) -> Any:
+    """A positive finite number (`value` when given, else the field `key`)."""
+    value = self(key, default) if value is None else value
+    ok = _is_number(value) and value > 0
+    return self._checked(key, value, ok, "a positive number", default)
+
+  def flag(self, key: str, default: bool) -> bool:
+    value = self(key, default)
+    return self._checked(key, value, isinstance(value, bool), "true or false", default)
+
+  def text(self, key: str, default: str | None = None) -> Any:
+    value = self(key, default)
+    return self._checked(key, value, isinstance(value, str), "a name", default)
+
+  def mapping(self, key: str) -> dict:
     value = self(key)
-    if value is None:
-      self.problems.append(f"{key}: missing")
-    return value
+    return dict(self._checked(key, value, isinstance(value, Mapping), "an object", None) or {})
+
+  def names(self, key: str) -> list[str] | None:
+    value = self(key)
+    ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+    return self._checked(key, value, ok, "a list of names", None)
 
   def act(self, key: str, default: str) -> str:
-    name = self(key, default)
+    name = self.text(key, default)
     if name not in ACTIVATIONS:
-      self.problems.append(f"{key}: {name!r} is not one of {', '.join(ACTIVATIONS)}")
+      if isinstance(name, str):
+        self.problems.append(f"`{key}`: {_shown(name)} is not one of {', '.join(ACTIVATIONS)}")
       return "silu"
     return ACTIVATIONS[name]
 
@@ -99,70 +154,78 @@ class _Reader:
   def done(self, kind: str, make):
     if self.problems:
       raise _errors.MappingError(
-        f"config.json ({kind}): the reference Flax model cannot run it:\n"
-        + _errors.bullet_list(self.problems)
+        f"{self.where} ({kind}): the reference Flax model cannot run it: "
+        + "; ".join(self.problems)
       )
     return make()
 
 
-def _gpt2(config: Mapping[str, Any]) -> gpt.GPTConfig:
-  r = _Reader(config)
+def _is_int(value: Any, low: int, high: int) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _is_number(value: Any) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _gpt2(config: Mapping[str, Any], where: str) -> gpt.GPTConfig:
+  r = _Reader(config, where)
   sizes = {
-    "vocab_size": r.required("vocab_size"),
-    "max_len": r.required("n_positions"),
-    "num_layers": r.required("n_layer"),
-    "num_heads": r.required("n_head"),
-    "d_model": r.required("n_embd"),
+    "vocab_size": r.size("vocab_size", required=True),
+    "max_len": r.size("n_positions", required=True),
+    "num_layers": r.size("n_layer", required=True),
+    "num_heads": r.size("n_head", required=True),
+    "d_model": r.size("n_embd", required=True),
   }
   act = r.act("activation_function", "gelu_new")
-  r.refuse(not r("scale_attn_weights", True), "scale_attn_weights: false is not supported")
+  r.refuse(not r.flag("scale_attn_weights", True), "scale_attn_weights: false is not supported")
   r.refuse(
-    bool(r("scale_attn_by_inverse_layer_idx", False)),
+    r.flag("scale_attn_by_inverse_layer_idx", False),
     "scale_attn_by_inverse_layer_idx: true is not supported",
   )
-  r.refuse(bool(r("add_cross_attention", False)), "add_cross_attention: true is not supported")
+  r.refuse(r.flag("add_cross_attention", False), "add_cross_attention: true is not supported")
+  eps = float(r.number("layer_norm_epsilon", 1e-5))
+  hidden = r.size("n_inner")
+  tie = r.flag("tie_word_embeddings", True)
   return r.done(
     "gpt2",
-    lambda: gpt.GPTConfig(
-      **sizes,
-      eps=float(r("layer_norm_epsilon", 1e-5)),
-      hidden=r("n_inner"),
-      act=act,
-      tie_embeddings=bool(r("tie_word_embeddings", True)),
-    ),
+    lambda: gpt.GPTConfig(**sizes, eps=eps, hidden=hidden, act=act, tie_embeddings=tie),
   )
 
 
-def _llama(config: Mapping[str, Any], kind: str) -> llama.LlamaConfig:
+def _llama(config: Mapping[str, Any], kind: str, where: str) -> llama.LlamaConfig:
   defaults, implied = LLAMA_LIKE[kind]
-  r = _Reader(config, defaults)
-  heads = r.required("num_attention_heads")
+  r = _Reader(config, where, defaults)
+  heads = r.size("num_attention_heads", required=True)
   sizes = {
-    "vocab_size": r.required("vocab_size"),
-    "num_layers": r.required("num_hidden_layers"),
+    "vocab_size": r.size("vocab_size", required=True),
+    "num_layers": r.size("num_hidden_layers", required=True),
     "num_heads": heads,
-    "num_kv_heads": r("num_key_value_heads", heads),
-    "d_model": r.required("hidden_size"),
-    "hidden": r.required("intermediate_size"),
-    "head_dim": r("head_dim"),
+    "num_kv_heads": r.size("num_key_value_heads", heads),
+    "d_model": r.size("hidden_size", required=True),
+    "hidden": r.size("intermediate_size", required=True),
+    "head_dim": r.size("head_dim"),
   }
   act = r.act("hidden_act", "silu")
   theta, scaling = _rope(r)
-  bias = bool(r("attention_bias", False))
+  bias = r.flag("attention_bias", False)
   window = _window(r, kind)
-  r.refuse(bool(r("use_bidirectional_attention", False)), "bidirectional attention is not causal")
+  r.refuse(r.flag("use_bidirectional_attention", False), "bidirectional attention is not causal")
+  eps = float(r.number("rms_norm_eps", 1e-6))
+  mlp_bias = r.flag("mlp_bias", False)
+  tie = r.flag("tie_word_embeddings", False)
   return r.done(
     kind,
     lambda: llama.LlamaConfig(
       **sizes,
       rope_theta=theta,
       rope_scaling=scaling,
-      eps=float(r("rms_norm_eps", 1e-6)),
+      eps=eps,
       qkv_bias=bias or implied.get("qkv_bias", False),
       o_bias=bias,
-      mlp_bias=bool(r("mlp_bias", False)),
+      mlp_bias=mlp_bias,
       qk_norm=implied.get("qk_norm", False),
-      tie_embeddings=bool(r("tie_word_embeddings")),
+      tie_embeddings=tie,
       act=act,
       norm_offset=implied.get("norm_offset", 0.0),
       embed_scale=implied.get("embed_scale", False),
@@ -173,39 +236,43 @@ def _llama(config: Mapping[str, Any], kind: str) -> llama.LlamaConfig:
 
 def _rope(r: _Reader) -> tuple[float, dict | None]:
   """`rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (4): theta, scaling."""
-  params = {**(r("rope_scaling") or {}), **(r("rope_parameters") or {})}
-  theta = float(params.get("rope_theta", r("rope_theta", 10000.0)))
+  params = {**r.mapping("rope_scaling"), **r.mapping("rope_parameters")}
+  theta = float(r.number("rope_theta", 10000.0, value=params.get("rope_theta")))
   kind = params.get("rope_type", params.get("type", "default"))
-  r.refuse(
-    params.get("partial_rotary_factor", 1.0) != 1.0,
-    "partial_rotary_factor: only 1.0 (RoPE on the whole head) is supported",
-  )
+  if not isinstance(kind, str):
+    r.problems.append(f"`rope_type`: {_shown(kind)} is not a name")
+    return theta, None
+  factor = params.get("partial_rotary_factor", 1.0)
+  r.refuse(factor != 1.0, "partial_rotary_factor: only 1.0 (RoPE on the whole head) is supported")
   if kind == "default":
     return theta, None
   if kind not in ROPE_SCALING:
     r.problems.append(f"rope_type {kind!r}: supported are default, {', '.join(ROPE_SCALING)}")
     return theta, None
-  scaling = {"rope_type": kind}
+  scaling: dict[str, Any] = {"rope_type": kind}
   if kind == "llama3" and "original_max_position_embeddings" not in params:
-    params["original_max_position_embeddings"] = r("max_position_embeddings")
+    params["original_max_position_embeddings"] = r.size("max_position_embeddings")
   for key in ROPE_SCALING[kind]:
     if params.get(key) is None:
       r.problems.append(f"rope {kind}: {key} missing")
-    scaling[key] = params.get(key)
+    else:
+      scaling[key] = r.number(key, 1.0, value=params[key])
   return theta, scaling
 
 
 def _window(r: _Reader, kind: str) -> int | None:
   """The sliding window of every layer (None: full attention), as `transformers` decides it."""
-  window = r("sliding_window")
+  window = r.size("sliding_window")
   if kind == "mistral":
     return window
-  if kind == "gemma" or not r("use_sliding_window", False) or window is None:
+  if kind == "gemma" or not r.flag("use_sliding_window", False) or window is None:
     return None
-  layers = r("layer_types") or [
-    "sliding_attention" if i >= r("max_window_layers", 28) else "full_attention"
-    for i in range(r("num_hidden_layers", 0))
-  ]
-  if len(set(layers)) > 1:
+  types = r.names("layer_types")
+  if types:
+    mixed, first_sliding = len(set(types)) > 1, bool(types) and types[0] == "sliding_attention"
+  else:  # layer i slides when i >= max_window_layers (no list of layers built)
+    layers, full = r.size("num_hidden_layers") or 0, r.integer("max_window_layers", 28)
+    mixed, first_sliding = 0 < full < layers, layers > 0 and full <= 0
+  if mixed:
     r.problems.append("use_sliding_window with sliding and full layers mixed is not supported")
-  return window if layers and layers[0] == "sliding_attention" else None
+  return window if first_sliding else None

@@ -27,7 +27,8 @@ from ucp_jax import _errors
 from ucp_jax.sinks import _folder, _schema
 from ucp_jax.sinks._report import ExportReport
 from ucp_jax.sources.hf import _safetensors
-from ucp_jax.store import _reader
+from ucp_jax.sources.hf import _source as hf_source
+from ucp_jax.store import _reader, _untrusted
 
 NAME = "hf"
 DESCRIPTION = "a Hugging Face model folder: config.json and (sharded) safetensors weights"
@@ -248,13 +249,13 @@ def _read_config(path: str | os.PathLike) -> dict:
   if os.path.isdir(path):
     path = os.path.join(path, "config.json")
   try:
-    with open(path) as f:
-      data = json.load(f)
-  except (OSError, ValueError) as e:
+    with _untrusted.open_regular(path, _errors.InvalidArgumentError) as f:
+      raw = f.read(hf_source.MAX_CONFIG_BYTES + 1)
+  except OSError as e:
     raise _errors.InvalidArgumentError(f"config={path!r}: not a readable config.json ({e})") from e
-  if not isinstance(data, dict):
-    raise _errors.InvalidArgumentError(f"config={path!r}: not a JSON object")
-  return data
+  if len(raw) > hf_source.MAX_CONFIG_BYTES:
+    raise _errors.InvalidArgumentError(f"{path}: larger than {hf_source.MAX_CONFIG_BYTES} bytes")
+  return hf_source.parse_config(raw, path, _errors.InvalidArgumentError)
 
 
 def _notes(ckpt, weights: _schema.WeightsPlan, config: dict | None) -> list[str]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import re
 import resource
@@ -39,6 +40,8 @@ MAX_RANK = 32
 """The most dimensions an array may declare (TensorStore's limit; numpy's is 64)."""
 MAX_ARRAY_BYTES = 1 << 62
 """The most bytes one declared array may hold, whatever its zero dimensions."""
+MAX_EXTENT = (1 << 62) - 2
+"""The largest size of one dimension (TensorStore's: `ts.array` refuses a larger one)."""
 _ALWAYS_AFFORDABLE = 64 << 20  # allocations this small are not checked (reading memory costs)
 
 _FILE_KINDS = {
@@ -201,7 +204,10 @@ def loads_json(
   raw = check_json_text(raw, where, error, max_bytes=max_bytes, max_depth=max_depth)
   try:
     data = json.loads(
-      raw, parse_constant=_refuse_constant, object_pairs_hook=object_pairs_hook or _unique
+      raw,
+      parse_constant=_refuse_constant,
+      parse_float=_finite_float,
+      object_pairs_hook=object_pairs_hook or _unique,
     )
   except (_Refused, _errors.UcpError) as e:
     raise error(f"{where}: {e}") from None
@@ -213,6 +219,8 @@ def loads_json(
     raise error(
       f"{where}: not valid JSON (truncated or overwritten?): {e.msg} at byte {e.pos}"
     ) from None
+  except ValueError:  # an integer of more digits than Python converts (4300)
+    raise error(f"{where}: a number too long to read; refusing the document") from None
   bad = _first_unencodable(data)
   if bad is not None:
     raise error(f"{where}: a name or string that is not valid Unicode (a lone surrogate) in {bad}")
@@ -227,6 +235,13 @@ def _refuse_constant(name: str) -> Any:
   raise _Refused(f"{name} is not a JSON number; refusing the document")
 
 
+def _finite_float(text: str) -> float:
+  value = float(text)
+  if not math.isfinite(value):  # 1e999: Infinity by another name
+    raise _Refused("a number out of the range of a float; refusing the document")
+  return value
+
+
 def _unique(pairs: list[tuple[str, Any]]) -> dict:
   out = dict(pairs)
   if len(out) != len(pairs):
@@ -239,20 +254,23 @@ def _unique(pairs: list[tuple[str, Any]]) -> dict:
 
 
 def _first_unencodable(data: Any) -> str | None:
-  """Where in `data` a string holds a lone surrogate (None if nowhere); not recursive."""
+  """Where in `data` a string holds a lone surrogate (None if nowhere); not recursive, and
+  only containers wait on the stack (a list of millions of numbers costs no more memory)."""
+  if isinstance(data, str):
+    return None if _encodable(data) else "the document"
   stack: list[tuple[Any, str]] = [(data, "the document")]
   while stack:
     node, where = stack.pop()
-    if isinstance(node, str):
-      if not _encodable(node):
-        return where
-    elif isinstance(node, dict):
-      for key, value in node.items():
-        if not _encodable(key):
-          return f"key {key!a}"
-        stack.append((value, f"`{key}`"))
-    elif isinstance(node, list):
-      stack.extend((item, where) for item in node)
+    items = node.items() if isinstance(node, dict) else ((None, v) for v in node)
+    for key, value in items:
+      if key is not None and not _encodable(key):
+        return f"key {key!a}"
+      at = where if key is None else f"`{key}`"
+      if isinstance(value, str):
+        if not _encodable(value):
+          return at
+      elif isinstance(value, (dict, list)):
+        stack.append((value, at))
   return None
 
 
@@ -283,7 +301,7 @@ def shape_problem(shape: Any, itemsize: int = 1) -> str | None:
   size = itemsize
   for d in shape:
     size *= max(d, 1)  # a zero dimension empties the array, but each one must still fit
-    if size > MAX_ARRAY_BYTES:
+    if size > MAX_ARRAY_BYTES or d > MAX_EXTENT:
       return f"shape {_short(shape)} declares more than 2**62 bytes"
   return None
 

@@ -7,17 +7,22 @@ sharded checkpoint adds an index (`model.safetensors.index.json`, and the same f
 back as a read-only memory map of exactly its bytes: a read of a slice touches only the
 pages under it.
 
-The header is untrusted: its size is bounded by the file's, names must be unique, every
-range must lie in the data, match its dtype and shape exactly, and no two may overlap. The
-file is opened once (a regular file, never blocking) and mapped from that descriptor, so the
-bytes read are those of the file whose header was checked.
+The header is untrusted: its size is bounded by the file's (and by `MAX_HEADER_BYTES`), its
+JSON is checked for size, values (`check_values`) and depth before it is parsed
+(`store._untrusted.loads_json`), names must be unique and valid Unicode, the tensors at most
+`MAX_TENSORS`, shapes sizes an array can have, every range must lie in the data, match its
+dtype and shape exactly, and no two may overlap (one sort: O(n log n) in the tensors
+declared). An index is checked the same way, and names plain files of its folder. The file
+is opened once (a regular file, never blocking, a link only if it stays in the checkpoint's
+folder: `store._untrusted.check_inside`) and mapped from that descriptor, so the bytes read
+are those of the file whose header was checked. Messages never show bytes of a file that
+failed a check beyond the names and values its header declares, shortened.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import math
 import mmap
 import os
@@ -26,14 +31,34 @@ from collections.abc import Callable, Iterator
 import ml_dtypes
 import numpy as np
 
-from ucp_jax._errors import SourceFormatError, bullet_list
+from ucp_jax._errors import InsufficientMemoryError, SourceFormatError
 from ucp_jax.sources import _files
-from ucp_jax.store._untrusted import open_regular
+from ucp_jax.store import _untrusted
+from ucp_jax.store._untrusted import loads_json, open_regular
 
 MAX_HEADER_BYTES = 100 << 20
 """The safetensors library's own bound on the JSON header."""
 MAX_INDEX_BYTES = 100 << 20
 """The most an index (`*.index.json`) may hold."""
+MAX_TENSORS = 1 << 16
+"""The most tensors one safetensors file may declare (real shards hold a few thousand)."""
+MAX_INDEX_TENSORS = 1 << 18
+"""The most tensors an index may list (the largest open models list about 150,000)."""
+MAX_SHARDS = 1 << 12
+"""The most shard files an index may name (real ones: a few hundred)."""
+HEADER_DEPTH = 3
+"""A header nests three deep: the header, a tensor entry, its shape."""
+INDEX_DEPTH = 8
+"""An index nests two deep (`weight_map`, `metadata`); a little room for writers' metadata."""
+MAX_METADATA = 1 << 10
+"""The most `__metadata__` entries a header may hold (writers put a few: `format`); they go
+into the manifest."""
+MAX_VALUES = 1 << 22
+"""The most `,` and `:` a header or an index may hold: a bound, counted before parsing, on
+the values a parser would build (a 100 MiB list of zeros is 50 million; 65,536 tensors of 32
+dimensions about 2.6 million)."""
+SHOWN = 5
+"""Problems a message lists before `(and N more)`."""
 
 DTYPES = {
   "BOOL": np.dtype(np.bool_),
@@ -100,6 +125,7 @@ class SafetensorsFile:
     an object store, its bytes read by range."""
     info = self.tensors[name]
     if info.begin != info.end and self.fetch is not None:
+      _untrusted.check_allocation(info.end - info.begin, info.where)
       raw = self.fetch(info.begin, info.end)
       return np.frombuffer(raw, info.dtype).reshape(info.shape)
     if info.begin == info.end or self.mapped is None:
@@ -108,25 +134,36 @@ class SafetensorsFile:
     return np.frombuffer(self.mapped, info.dtype, count, info.begin).reshape(info.shape)
 
 
+def shown(value: object) -> str:
+  """`value` as a message shows it: its repr, shortened to 80 characters."""
+  text = repr(value)
+  return text if len(text) <= 80 else text[:77] + "..."
+
+
 def fail(where: str, what: str, problems: list[str]) -> None:
-  """Raises one `SourceFormatError`: `where: what: problem` on one line, or a list."""
-  if len(problems) == 1:
-    raise SourceFormatError(f"{where}: {what}: {problems[0]}")
+  """Raises one `SourceFormatError` on one line: `where: what: problem; problem (and N more)`."""
   if problems:
-    raise SourceFormatError(f"{where}: {what}:\n{bullet_list(problems, 20)}")
+    more = f" (and {len(problems) - SHOWN} more)" if len(problems) > SHOWN else ""
+    raise SourceFormatError(f"{where}: {what}: {'; '.join(problems[:SHOWN])}{more}")
 
 
-def read_header(path: str) -> SafetensorsFile:
+def read_header(path: str, folder: str | None = None) -> SafetensorsFile:
   """Reads and checks the header of one safetensors file, and maps the file.
 
+  Args:
+    path: the file.
+    folder: the checkpoint's folder (default: the file's): a link may not leave it.
+
   Raises:
-    SourceFormatError: not a regular file, a header that is truncated, too large or not
-      JSON, a duplicated name, an unknown dtype, or a byte range that overruns the file,
-      does not match the shape, or overlaps another (one message per file, all problems;
-      one line when there is one).
+    SourceFormatError: not a regular file, a link out of `folder`, a header that is
+      truncated, too large or not JSON, a duplicated name, an unknown dtype, an impossible
+      shape, or a byte range that overruns the file, does not match the shape, or overlaps
+      another (one line per file, the first problems named).
+    InsufficientMemoryError: the file is larger than the address space left to map it.
   """
+  folder = folder or os.path.dirname(os.path.abspath(path))
   try:
-    f = open_regular(path)
+    f = open_regular(path, inside=folder)
   except FileNotFoundError:
     raise SourceFormatError(f"{path}: no such file") from None
   with f:
@@ -136,12 +173,23 @@ def read_header(path: str) -> SafetensorsFile:
     if len(head) < 8:
       raise SourceFormatError(f"{path}: not a safetensors file ({size} bytes, no header)")
     length = int.from_bytes(head, "little")
-    if length > min(MAX_HEADER_BYTES, size - 8):
+    if length > size - 8:  # the length is the file's bytes: not shown
       raise SourceFormatError(
-        f"{path}: not a safetensors file (its header claims {length} bytes; the file has {size})"
+        f"{path}: not a safetensors file (its header length runs past the end of the file, "
+        f"{size} bytes): truncated, or another kind of file"
+      )
+    if length > MAX_HEADER_BYTES:
+      raise SourceFormatError(
+        f"{path}: a safetensors header longer than the {MAX_HEADER_BYTES} bytes the format allows"
       )
     raw = f.read(length)
-    mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+    try:
+      mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+    except OSError as e:
+      raise InsufficientMemoryError(
+        f"{path}: cannot be memory-mapped ({e.strerror or e}): its {size} bytes need that much "
+        "address space"
+      ) from None
   return _checked(path, size, length, raw, identity, mapped)
 
 
@@ -156,12 +204,20 @@ def read_remote_header(folder, name: str) -> SafetensorsFile:
       raise
     raise SourceFormatError(f"{path}: not a safetensors file (no header)") from None
   length = int.from_bytes(head, "little")
-  if length > MAX_HEADER_BYTES:
+  if length > MAX_HEADER_BYTES:  # the length is the object's bytes: not shown
     raise SourceFormatError(
-      f"{path}: not a safetensors file (its header claims {length} bytes, more than "
-      f"{MAX_HEADER_BYTES})"
+      f"{path}: not a safetensors file (its header length is more than the "
+      f"{MAX_HEADER_BYTES} bytes the format allows)"
     )
-  raw, _ = folder.read(name, 8, 8 + length, generation)
+  try:
+    raw, _ = folder.read(name, 8, 8 + length, generation)
+  except SourceFormatError as e:
+    if "past its end" not in str(e):
+      raise
+    raise SourceFormatError(
+      f"{path}: not a safetensors file (its header length runs past the end of the object): "
+      "truncated, or another kind of file"
+    ) from None
   file = _checked(
     path,
     None,
@@ -187,15 +243,33 @@ def read_remote_header(folder, name: str) -> SafetensorsFile:
 
 def _checked(path, size, length, raw, identity, mapped, fetch=None) -> SafetensorsFile:
   """The header `raw` (of `length` bytes, in a file of `size`, None where unknown) checked."""
-  header, repeated = _json(raw, path, "the safetensors header")
+  header, repeated = _json(raw, f"{path}: the safetensors header", HEADER_DEPTH, MAX_HEADER_BYTES)
   if not isinstance(header, dict):
     raise SourceFormatError(f"{path}: the safetensors header is not a JSON object")
-  metadata = header.pop("__metadata__", None) or {}
+  metadata = header.pop("__metadata__", None)
+  metadata = {} if metadata is None else metadata
   if not isinstance(metadata, dict):
     raise SourceFormatError(f"{path}: `__metadata__` is not a JSON object")
+  if len(metadata) > MAX_METADATA:
+    raise SourceFormatError(
+      f"{path}: `__metadata__` holds {len(metadata)} entries, more than the {MAX_METADATA} a "
+      "header may hold"
+    )
+  if len(header) > MAX_TENSORS:
+    raise SourceFormatError(
+      f"{path}: the safetensors header declares {len(header)} tensors, more than the "
+      f"{MAX_TENSORS} a file may hold"
+    )
   problems = [
-    f"tensor {k!r} appears twice" if k in header else f"the key {k!r} appears twice in an entry"
+    f"tensor {shown(k)} appears twice"
+    if k in header
+    else f"the key {shown(k)} appears twice in an entry"
     for k in repeated
+  ]
+  problems += [
+    f"`__metadata__` {shown(k)}: {shown(v)} is not a string"
+    for k, v in metadata.items()
+    if not isinstance(v, str)
   ]
   start = 8 + length
   tensors = {}
@@ -207,11 +281,10 @@ def _checked(path, size, length, raw, identity, mapped, fetch=None) -> Safetenso
   for (_, end, first), (begin, _, second) in itertools.pairwise(spans):
     if begin < end:
       problems.append(
-        f"tensors {first!r} and {second!r} overlap (both hold bytes [{begin}, {end}))"
+        f"tensors {shown(first)} and {shown(second)} overlap (both hold bytes [{begin}, {end}))"
       )
   fail(path, "a damaged or forged safetensors header", problems)
   ordered = dict(sorted(tensors.items(), key=lambda kv: kv[1].begin))
-  metadata = {str(k): str(v) for k, v in metadata.items()}
   return SafetensorsFile(path, ordered, metadata, mapped, identity, fetch)
 
 
@@ -220,48 +293,66 @@ def file_identity(st: os.stat_result) -> tuple:
   return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def _json(raw: bytes, path: str, what: str) -> tuple[object, list[str]]:
-  """Parses JSON, noting every object key that appears twice (the last one would win)."""
+def check_values(raw: bytes, where: str, limit: int = MAX_VALUES) -> None:
+  """Refuses a JSON document with more than `limit` separators (`,` and `:`, inside strings
+  too: an upper bound), before a parser builds millions of objects from a few MiB."""
+  count = raw.count(b",") + raw.count(b":")
+  if count > limit:
+    raise SourceFormatError(
+      f"{where}: more than {limit} values (it holds {count} separators); refusing to parse it"
+    )
+
+
+def _json(raw: bytes, where: str, depth: int, max_bytes: int) -> tuple[object, list[str]]:
+  """Parses a JSON document (checked for size, values, depth, NaN and lone surrogates first),
+  noting every object key that appears twice (the last one would win)."""
+  if len(raw) <= max_bytes:  # else `loads_json` says how large it is
+    check_values(raw, where)
   repeated: list[str] = []
 
   def pairs(items):
-    seen = {}
-    for key, value in items:
-      if key in seen:
-        repeated.append(key)
-      seen[key] = value
+    seen = dict(items)
+    if len(seen) != len(items):
+      keys: set[str] = set()
+      for key, _ in items:
+        if key in keys:
+          repeated.append(key)
+        keys.add(key)
     return seen
 
-  try:
-    return json.loads(raw, object_pairs_hook=pairs), repeated
-  except (UnicodeDecodeError, ValueError) as e:
-    raise SourceFormatError(f"{path}: {what} is not valid JSON: {e}") from None
+  data = loads_json(raw, where, max_bytes=max_bytes, max_depth=depth, object_pairs_hook=pairs)
+  return data, repeated
 
 
 def _tensor(path, name, entry, start, size, problems) -> TensorInfo | None:
   if not isinstance(entry, dict):
-    problems.append(f"tensor {name!r}: not a tensor entry")
+    problems.append(f"tensor {shown(name)}: not a tensor entry")
     return None
   kind = entry.get("dtype")
   dtype = DTYPES.get(kind) if isinstance(kind, str) else None
   shape, offsets = entry.get("shape"), entry.get("data_offsets")
   if dtype is None:
-    why = f"packed {PACKED[kind]}" if kind in PACKED else "not a safetensors dtype"
-    problems.append(f"tensor {name!r}: dtype {kind!r} ({why}) is not one ucp_jax reads")
+    packed = isinstance(kind, str) and kind in PACKED
+    why = f"packed {PACKED[kind]}" if packed else "not a safetensors dtype"
+    problems.append(f"tensor {shown(name)}: dtype {shown(kind)} ({why}) is not one ucp_jax reads")
     return None
-  if not _ints(shape) or not _ints(offsets) or len(offsets) != 2:
-    problems.append(f"tensor {name!r}: shape {shape!r} / data_offsets {offsets!r} are not sizes")
+  if not _ints(offsets) or len(offsets) != 2:
+    problems.append(f"tensor {shown(name)}: data_offsets {shown(offsets)} are not two offsets")
+    return None
+  problem = _untrusted.shape_problem(shape, dtype.itemsize)
+  if problem:
+    problems.append(f"tensor {shown(name)}: {problem}")
     return None
   begin, end = start + offsets[0], start + offsets[1]
   expected = math.prod(shape) * dtype.itemsize
   if not begin <= end <= size:
     problems.append(
-      f"tensor {name!r}: data_offsets {offsets} put its bytes at [{begin}, {end}), outside the "
-      f"file ({size} bytes): truncated or forged"
+      f"tensor {shown(name)}: data_offsets {shown(offsets)} put its bytes at [{begin}, {end}), "
+      f"outside the file ({size} bytes): truncated or forged"
     )
   elif end - begin != expected:
     problems.append(
-      f"tensor {name!r}: {end - begin} bytes for shape {list(shape)} of {kind} ({expected})"
+      f"tensor {shown(name)}: {end - begin} bytes for shape {list(shape)} of {kind} ({expected})"
     )
   else:
     return TensorInfo(name, dtype, tuple(shape), begin, end, path)
@@ -274,45 +365,84 @@ def _ints(value) -> bool:
   )
 
 
-def read_index(path: str) -> dict[str, str]:
+def read_index(path: str, folder: str | None = None) -> dict[str, str]:
   """`weight_map` of a sharded checkpoint's index: tensor name -> shard file (absolute).
 
   Works for `model.safetensors.index.json` and `pytorch_model.bin.index.json` alike.
 
+  Args:
+    path: the index.
+    folder: the checkpoint's folder (default: the index's): a link may not leave it.
+
   Raises:
-    SourceFormatError: not JSON, no `weight_map`, a name listed twice, a shard outside the
-      folder, or a shard file that is missing (one line per shard, naming its tensors).
+    SourceFormatError: not JSON, no `weight_map` of names to file names, too many tensors or
+      shards, a name listed twice, a shard that is not a file name of the index's folder,
+      or a shard file that is missing (one line, naming the first problems).
   """
-  folder = os.path.dirname(os.path.abspath(path))
+  here = os.path.dirname(os.path.abspath(path))
   try:
-    with open_regular(path) as f:
+    with open_regular(path, inside=folder or here) as f:
       raw = f.read(MAX_INDEX_BYTES + 1)
   except FileNotFoundError:
     raise SourceFormatError(f"{path}: no such file") from None
   if len(raw) > MAX_INDEX_BYTES:
     raise SourceFormatError(f"{path}: an index larger than {MAX_INDEX_BYTES} bytes")
   weight_map, problems = parse_index(raw, path)
-  out, by_shard = {}, {}
-  for name, file in weight_map.items():
-    by_shard.setdefault(file, []).append(name)
-    out[name] = os.path.normpath(os.path.join(folder, file))
+  by_shard = _by_shard(weight_map)
   for file, names in by_shard.items():
-    full = os.path.normpath(os.path.join(folder, file))
-    if os.path.dirname(full) != folder:
-      problems.append(f"shard {file!r}, listed for tensor {_some(names)}, lies outside the folder")
-    elif not os.path.isfile(full):
+    if not _file_name(file):
+      problems.append(
+        f"shard {shown(file)}, listed for tensor {_some(names)}, lies outside the folder"
+      )
+    elif not os.path.lexists(os.path.join(here, file)):
       problems.append(f"shard {file}, listed for tensor {_some(names)}, is missing")
   fail(path, "the index names shards that cannot be read", problems)
-  return out
+  return {name: os.path.join(here, file) for name, file in weight_map.items()}
 
 
 def parse_index(raw: bytes, path: str) -> tuple[dict[str, str], list[str]]:
-  """(`weight_map` as written, problems so far) of an index's bytes."""
-  index, repeated = _json(raw, path, "the index")
+  """(`weight_map` as written, problems so far) of an index's bytes.
+
+  Raises:
+    SourceFormatError: not a JSON object with a `weight_map` of names to file names, or
+      one of more than `MAX_INDEX_TENSORS` tensors or `MAX_SHARDS` files.
+  """
+  index, repeated = _json(raw, path, INDEX_DEPTH, MAX_INDEX_BYTES)
   weight_map = index.get("weight_map") if isinstance(index, dict) else None
-  if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+  if not isinstance(weight_map, dict):
     raise SourceFormatError(f"{path}: no `weight_map` of tensor names to file names")
-  return weight_map, [f"tensor {k!r} is listed twice" for k in repeated if k in weight_map]
+  bad = next((k for k, v in weight_map.items() if not isinstance(v, str)), None)
+  if bad is not None:
+    raise SourceFormatError(
+      f"{path}: `weight_map` {shown(bad)}: {shown(weight_map[bad])} is not a file name"
+    )
+  if len(weight_map) > MAX_INDEX_TENSORS:
+    raise SourceFormatError(
+      f"{path}: `weight_map` lists {len(weight_map)} tensors, more than the "
+      f"{MAX_INDEX_TENSORS} an index may list"
+    )
+  shards = len(set(weight_map.values()))
+  if shards > MAX_SHARDS:
+    raise SourceFormatError(
+      f"{path}: `weight_map` names {shards} shard files, more than the {MAX_SHARDS} an index "
+      "may name"
+    )
+  return weight_map, [f"tensor {shown(k)} is listed twice" for k in repeated if k in weight_map]
+
+
+def _by_shard(weight_map: dict[str, str]) -> dict[str, list[str]]:
+  by_shard: dict[str, list[str]] = {}
+  for name, file in weight_map.items():
+    by_shard.setdefault(file, []).append(name)
+  return by_shard
+
+
+def _file_name(name: str) -> bool:
+  """Whether `name` is a plain file name: no folder, no parent, nothing a terminal acts on
+  (no control character, no line break)."""
+  return (
+    name not in ("", ".", "..") and "/" not in name and os.sep not in name and name.isprintable()
+  )
 
 
 def match_index(index_path: str, weight_map: dict[str, str], found: dict[str, list[str]]) -> None:
@@ -329,24 +459,33 @@ def match_index(index_path: str, weight_map: dict[str, str], found: dict[str, li
   """
   problems, seen = [], {}
   for file, names in found.items():
-    shard = os.path.basename(file)
     for name in names:
-      listed = weight_map.get(name)
       if name in seen:
-        problems.append(f"tensor {name!r} is in both {os.path.basename(seen[name])} and {shard}")
-      elif listed is None:
-        problems.append(f"{shard} holds tensor {name!r}, which the index does not list")
-      elif listed != file:
         problems.append(
-          f"{shard} holds tensor {name!r}, which the index puts in {os.path.basename(listed)}"
+          f"tensor {shown(name)} is in both {os.path.basename(seen[name])} and "
+          f"{os.path.basename(file)}"
         )
+      else:
+        problems += _misplaced(file, name, weight_map.get(name))
       seen.setdefault(name, file)
   problems += [
-    f"tensor {n!r}: listed in the index for {os.path.basename(f)}, which does not hold it"
+    f"tensor {shown(n)}: listed in the index for {os.path.basename(f)}, which does not hold it"
     for n, f in weight_map.items()
     if n not in seen
   ]
   fail(index_path, "the shards do not match the index", problems)
+
+
+def _misplaced(file: str, name: str, listed: str | None) -> list[str]:
+  """What is wrong with shard `file` holding tensor `name`, which the index lists in `listed`."""
+  shard = os.path.basename(file)
+  if listed is None:
+    return [f"{shard} holds tensor {shown(name)}, which the index does not list"]
+  if listed != file:
+    return [
+      f"{shard} holds tensor {shown(name)}, which the index puts in {os.path.basename(listed)}"
+    ]
+  return []
 
 
 def read_remote_sharded(folder, index_name: str, names: list[str]) -> list[SafetensorsFile]:
@@ -354,28 +493,47 @@ def read_remote_sharded(folder, index_name: str, names: list[str]) -> list[Safet
   where = folder.path(index_name)
   weight_map, problems = parse_index(folder.read_small(index_name, MAX_INDEX_BYTES), where)
   present = set(names)
-  by_shard: dict[str, list[str]] = {}
-  for name, file in weight_map.items():
-    by_shard.setdefault(file, []).append(name)
-  for file, names in by_shard.items():
-    if "/" in file or file in ("", ".", ".."):
-      problems.append(f"shard {file!r}, listed for tensor {_some(names)}, lies outside the folder")
+  by_shard = _by_shard(weight_map)
+  for file, listed in by_shard.items():
+    if not _file_name(file):
+      problems.append(
+        f"shard {shown(file)}, listed for tensor {_some(listed)}, lies outside the folder"
+      )
     elif file not in present:
-      problems.append(f"shard {file}, listed for tensor {_some(names)}, is missing")
+      problems.append(f"shard {file}, listed for tensor {_some(listed)}, is missing")
   fail(where, "the index names shards that cannot be read", problems)
-  files = [read_remote_header(folder, file) for file in sorted(by_shard)]
   full = {name: folder.path(file) for name, file in weight_map.items()}
+  files = []
+  for file in sorted(by_shard):
+    files.append(read_remote_header(folder, file))
+    _only_listed(where, files[-1], full)
   match_index(where, full, {f.path: list(f.tensors) for f in files})
   return files
 
 
-def read_sharded(index_path: str) -> tuple[list[SafetensorsFile], dict[str, TensorInfo]]:
-  """Every shard of an index, checked against it: each tensor where the index says."""
-  weight_map = read_index(index_path)
-  files = [read_header(f) for f in sorted(set(weight_map.values()))]
+def read_sharded(
+  index_path: str, folder: str | None = None
+) -> tuple[list[SafetensorsFile], dict[str, TensorInfo]]:
+  """Every shard of an index, checked against it: each tensor where the index says.
+
+  A shard holding a tensor the index does not list in it is refused as soon as it is read,
+  so the tensors parsed are at most those the index lists, and one shard's.
+  """
+  weight_map = read_index(index_path, folder)
+  files = []
+  for file in sorted(set(weight_map.values())):
+    files.append(read_header(file, folder))
+    _only_listed(index_path, files[-1], weight_map)
   match_index(index_path, weight_map, {f.path: list(f.tensors) for f in files})
   tensors = {name: info for f in files for name, info in f.tensors.items()}
   return files, tensors
+
+
+def _only_listed(index: str, file: SafetensorsFile, weight_map: dict[str, str]) -> None:
+  """Refuses a shard holding a tensor the index does not list in it, as soon as it is read:
+  the tensors parsed are then at most those the index lists, and one shard's."""
+  problems = [p for name in file.tensors for p in _misplaced(file.path, name, weight_map.get(name))]
+  fail(index, "the shards do not match the index", problems)
 
 
 def iter_files(folder: str) -> Iterator[str]:
@@ -386,5 +544,4 @@ def iter_files(folder: str) -> Iterator[str]:
 
 
 def _some(names: list[str]) -> str:
-  shown = repr(names[0])
-  return shown + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+  return shown(names[0]) + (f" and {len(names) - 1} more" if len(names) > 1 else "")

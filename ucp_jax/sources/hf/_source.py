@@ -15,11 +15,14 @@ map of exactly its bytes in its file, so a restore reads only each device's slic
 leaves out `lm_head.weight` when the config ties it to the input embedding
 (`tie_word_embeddings`, true unless the config says otherwise): the schema then records the
 tie (`tied_to`), and `tied=` names ties for other layouts.
+
+Every file is read as untrusted: regular files only, links only inside the folder or into
+a Hugging Face cache's `blobs/` (`store._untrusted.check_inside`), JSON checked for size and
+depth before it is parsed, and each field read checked for its type (docs/sources.md).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from typing import Any
@@ -31,7 +34,7 @@ from ucp_jax.sources import _remote
 from ucp_jax.sources._source_plan import Param, Plan, Tensor, lazy_store
 from ucp_jax.sources.hf import _safetensors as st
 from ucp_jax.sources.torch import _source as torch_source
-from ucp_jax.store._untrusted import open_regular
+from ucp_jax.store import _untrusted
 
 NAME = "hf"
 DESCRIPTION = (
@@ -40,6 +43,12 @@ DESCRIPTION = (
 )
 BIN_INDEX = "pytorch_model.bin.index.json"
 MAX_CONFIG_BYTES = 16 << 20
+MAX_CONFIG_VALUES = 1 << 20
+"""The most `,` and `:` a `config.json` may hold (`st.check_values`); the largest real ones,
+with label maps of thousands of classes, hold tens of thousands."""
+MAX_CONFIG_DEPTH = 32
+"""How deeply a `config.json` may nest (multimodal configs nest a few levels; the manifest
+that records it must stay within its own limit)."""
 OUTPUT_EMBEDDING = "lm_head.weight"
 INPUT_EMBEDDINGS = (
   "model.embed_tokens.weight",
@@ -108,7 +117,7 @@ def describe(path: str, *, tied: dict[str, str] | None = None) -> Plan:
     folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     weights = _weights(path) if os.path.isdir(path) else path
     config = _config(folder)
-    tensors, files, metadata, aliases = _tensors(weights)
+    tensors, files, metadata, aliases = _tensors(weights, folder)
   ties = dict(aliases)
   ties.update(_ties(config, tensors) if tied is None else _checked_ties(tied, tensors, weights))
   buffers = {n: t for n, t in tensors.items() if torch_source.is_buffer(n)}
@@ -157,7 +166,7 @@ def _remote_folder(url: str):
     )
   config = {}
   if "config.json" in names:
-    config = _parse_config(
+    config = parse_config(
       folder.read_small("config.json", MAX_CONFIG_BYTES), folder.path("config.json")
     )
   if name.endswith(".json"):
@@ -185,6 +194,8 @@ def _ranged(file: st.SafetensorsFile, info: st.TensorInfo):
 
   def read(region: tuple[slice, ...], out) -> None:
     start, stop = (region[0].start, region[0].stop) if shape else (0, 1)
+    if out.size:
+      _untrusted.check_allocation((stop - start) * row, info.where)
     raw = file.fetch(info.begin + start * row, info.begin + stop * row) if out.size else b""
     out[...] = np.frombuffer(raw, dtype).reshape(out.shape)
 
@@ -222,14 +233,16 @@ def _choose_weights(folder: str, names: list[str]) -> str:
   )
 
 
-def _tensors(weights: str) -> tuple[dict[str, Tensor], list[str], dict, dict[str, str]]:
+def _tensors(
+  weights: str, folder: str
+) -> tuple[dict[str, Tensor], list[str], dict, dict[str, str]]:
   """(tensors by name, files read, safetensors metadata by file, aliases in .bin files)."""
   if weights.endswith(BIN_INDEX) or weights.endswith(".bin"):
-    return _bin(weights)
+    return _bin(weights, folder)
   if weights.endswith(".json"):
-    files, _ = st.read_sharded(weights)
+    files, _ = st.read_sharded(weights, folder)
   else:
-    files = [st.read_header(weights)]
+    files = [st.read_header(weights, folder)]
   tensors = {}
   for f in files:
     for name, info in f.tensors.items():
@@ -244,15 +257,16 @@ def _mapped(file: st.SafetensorsFile, name: str):
   return lambda: [file.array(name).reshape(-1)]
 
 
-def _bin(weights: str) -> tuple[dict[str, Tensor], list[str], dict, dict[str, str]]:
+def _bin(weights: str, folder: str) -> tuple[dict[str, Tensor], list[str], dict, dict[str, str]]:
   """The tensors of `pytorch_model.bin` or of the shards its index names."""
   if weights.endswith(".json"):
-    weight_map = st.read_index(weights)
+    weight_map = st.read_index(weights, folder)
     files = sorted(set(weight_map.values()))
   else:
     weight_map, files = None, [weights]
   arrays, found = {}, {}
   for file in files:
+    _untrusted.check_inside(file, folder)  # then the safe reader opens regular files only
     data = torch_source.load(file)
     if not isinstance(data, dict):
       raise SourceFormatError(f"{file}: holds a {type(data).__name__}, not a state dict")
@@ -275,22 +289,41 @@ def _config(folder: str) -> dict:
   if not os.path.lexists(path):
     return {}
   try:
-    with open_regular(path) as f:
+    with _untrusted.open_regular(path, inside=folder) as f:
       raw = f.read(MAX_CONFIG_BYTES + 1)
   except OSError as e:
     raise SourceFormatError(f"{path}: cannot be read ({e.strerror or e})") from None
   if len(raw) > MAX_CONFIG_BYTES:
     raise SourceFormatError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes")
-  return _parse_config(raw, path)
+  return parse_config(raw, path)
 
 
-def _parse_config(raw: bytes, path: str) -> dict:
-  try:
-    config = json.loads(raw)
-  except (UnicodeDecodeError, ValueError) as e:
-    raise SourceFormatError(f"{path}: not valid JSON: {e}") from None
+def parse_config(raw: bytes | str, path: str, error: type[Exception] = SourceFormatError) -> dict:
+  """A `config.json`'s bytes as a dict, checked: small and shallow enough to parse, no NaN
+  or Infinity, no duplicate keys, and the fields this source reads of their types.
+
+  Raises:
+    error: one line naming `path` (and the field).
+  """
+  raw = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
+  if len(raw) <= MAX_CONFIG_BYTES:
+    try:
+      st.check_values(raw, path, MAX_CONFIG_VALUES)
+    except SourceFormatError as e:
+      raise error(str(e)) from None
+  config = _untrusted.loads_json(
+    raw, path, error, max_bytes=MAX_CONFIG_BYTES, max_depth=MAX_CONFIG_DEPTH
+  )
   if not isinstance(config, dict):
-    raise SourceFormatError(f"{path}: not a JSON object")
+    raise error(f"{path}: not a JSON object")
+  architectures = config.get("architectures")
+  if architectures is not None and not (
+    isinstance(architectures, list) and all(isinstance(a, str) for a in architectures)
+  ):
+    raise error(f"{path}: `architectures`: {st.shown(architectures)} is not a list of names")
+  tie = config.get("tie_word_embeddings")
+  if tie is not None and not isinstance(tie, bool):
+    raise error(f"{path}: `tie_word_embeddings`: {st.shown(tie)} is not true or false")
   return config
 
 
