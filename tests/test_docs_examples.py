@@ -29,8 +29,6 @@ ROOT = doc_blocks.ROOT
 # begins) -> what it wants. They neither run nor fail; delete an entry once its block is
 # annotated (the test names entries that match no block any more).
 PENDING = {
-  ("docs/format.md", "ckpt/"): "```text",
-  ("docs/format.md", "gs://bucket/ckpt/manifest.json"): "```text",
   ("docs/sources.md", "ucp convert gs://bucket/run/"): "skip (needs a bucket and credentials)",
   ("docs/sources.md", "ucp convert gs://bucket/models/"): "skip (needs a bucket and credentials)",
   ("docs/dcp.md", 'ckpt = ucp_jax.open("dcp_ckpt")'): "setup=dcp_gpt, once it defines `rules`"
