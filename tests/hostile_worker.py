@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import ucp_jax  # noqa: E402
 from ucp_jax import _cli, _errors  # noqa: E402
+from ucp_jax.store import _keypath  # noqa: E402
 
 faulthandler.enable()
 MESH = jax.make_mesh((8,), ("data",))
@@ -67,7 +68,7 @@ def _api_call(entry: str, job: dict) -> tuple[str, str]:
       shape = ckpt[key].shape
       spec = P("data") if shape and shape[0] % 8 == 0 else P()
       node = target
-      *parents, leaf = key.split("/")
+      *parents, leaf = _keypath.split(key)  # (a key's parts as the tree names them)
       for part in parents:
         node = node.setdefault(part, {})
       node[leaf] = NamedSharding(MESH, spec)

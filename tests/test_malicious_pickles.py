@@ -420,8 +420,12 @@ def test_records_hash_by_name_and_arguments():
   (key,) = out
   assert key == InertObject("pkg.Stage", args=(2,)) and out[key] == 7
   key = InertObject("a.B", args=(1,))
+  hashed = hash(key)  # a dict key before its BUILD
   object.__setattr__(key, "state", {"x": [1]})  # BUILD later: the hash is unchanged
-  assert hash(key) == hash(InertObject("a.B", args=(1,)))
+  assert hash(key) == hashed == hash(InertObject("a.B", args=(1,)))
+  # records that differ only in their state (DCP's MetadataIndex keys) hash apart
+  a, b = (InertObject("m.Index", state={"fqn": "w", "offset": (i,)}) for i in (0, 8))
+  assert hash(a) != hash(b)
 
 
 @pytest.mark.parametrize(

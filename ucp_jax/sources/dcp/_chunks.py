@@ -20,7 +20,6 @@ array, read the same way into one buffer.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import math
 import os
@@ -33,6 +32,7 @@ import numpy as np
 from ucp_jax._errors import SourceFormatError
 from ucp_jax.sources import _file_reads, _files, _remote
 from ucp_jax.sources._source_plan import Tensor, lazy_store
+from ucp_jax.sources.dcp import _tiling
 from ucp_jax.sources.dcp._metadata import Chunk, Stored, TensorEntry
 from ucp_jax.sources.torch import _torch_file, _torch_zip
 from ucp_jax.store import _regions, _untrusted, _zarr
@@ -137,8 +137,9 @@ class RankFiles:
       self._fetch_runs(chunk.stored.file, runs)
       return
     path = os.path.join(self.folder, chunk.stored.file)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # a FIFO put there: refused
     try:
+      _untrusted.check_regular(fd, path)
       for at, target in runs:
         if target.flags.c_contiguous:
           _pread(fd, path, at, target)
@@ -166,30 +167,24 @@ def _pread(fd: int, path: str, at: int, out: np.ndarray) -> None:
 
 
 class _Reader:
-  """Region reads of one tensor from its chunks (those a region meets found by bisection)."""
+  """Region reads of one tensor from its chunks (those a region meets found by `_tiling.Index`)."""
 
-  def __init__(self, files: RankFiles, entry: TensorEntry):
+  def __init__(self, files: RankFiles, entry: TensorEntry, where: str):
     self._files = files
     self._entry = entry
-    live = sorted((c for c in entry.chunks if math.prod(c.sizes)), key=lambda c: c.offsets[:1])
-    self._chunks = live
-    self._starts = [c.offsets[0] if c.offsets else 0 for c in live]
-    ends = [c.offsets[0] + c.sizes[0] if c.offsets else 1 for c in live]
-    self._reach = list(itertools.accumulate(ends, max))  # the furthest row reached so far
+    self._where = where
+    self._index = _tiling.Index(entry.chunks)
 
   def read(self, region: Region, out: np.ndarray | None = None) -> np.ndarray:
     """`region` of the tensor (into `out`, if given), from the chunks under it only."""
     entry = self._entry
     if out is None:
-      out = np.empty(tuple(s.stop - s.start for s in region), entry.dtype)
+      shape = tuple(s.stop - s.start for s in region)
+      _untrusted.check_allocation(math.prod(shape) * entry.dtype.itemsize, self._where)
+      out = np.empty(shape, entry.dtype)
     if not out.size:
       return out
-    first, last = (region[0].start, region[0].stop) if region else (0, 1)
-    i = bisect.bisect_left(self._starts, last)
-    for k in range(i - 1, -1, -1):
-      if self._reach[k] <= first:
-        break
-      chunk = self._chunks[k]
+    for chunk in self._index.under(region):
       box = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
       part = _regions.overlap(box, region) if region else ()
       if part is None:
@@ -203,9 +198,41 @@ class _Reader:
     return [self.read(_regions.full(self._entry.shape)).reshape(-1)]
 
 
+COMPARE_BYTES = 16 << 20
+"""The most `same_bytes` holds of each tensor at once."""
+
+
+def same_bytes(files: RankFiles, a: TensorEntry, b: TensorEntry) -> bool:
+  """Whether tensors `a` and `b` (of one shape and dtype) hold the same bytes, compared a
+  block at a time: memory stays bounded however large they declare themselves."""
+  readers = [_Reader(files, e, f"{files.folder}: `{e.key}`") for e in (a, b)]
+  for region in _blocks(a.shape, np.dtype(a.dtype).itemsize, COMPARE_BYTES):
+    x, y = (reader.read(region) for reader in readers)
+    if x.tobytes() != y.tobytes():
+      return False
+  return True
+
+
+def _blocks(shape: tuple[int, ...], itemsize: int, limit: int):
+  """Regions that cover `shape` in C order, each of at most `limit` bytes (or one element)."""
+  k = 0  # the dimension cut into steps: the dimensions after it fit in `limit` whole
+  while k < len(shape) - 1 and math.prod(shape[k + 1 :]) * itemsize > limit:
+    k += 1
+  if not shape:
+    yield ()
+    return
+  inner = math.prod(shape[k + 1 :]) * itemsize
+  step = max(1, limit // max(inner, 1))
+  rest = tuple(slice(0, n) for n in shape[k + 1 :])
+  for lead in itertools.product(*(range(n) for n in shape[:k])):
+    for start in range(0, shape[k], step):
+      cut = slice(start, min(start + step, shape[k]))
+      yield (*(slice(i, i + 1) for i in lead), cut, *rest)
+
+
 def tensor(files: RankFiles, entry: TensorEntry, where: str) -> Tensor:
   """`entry` as a plan `Tensor`: lazy `pieces` and a lazy TensorStore (`store`)."""
-  reader = _Reader(files, entry)
+  reader = _Reader(files, entry, where)
   itemsize = np.dtype(entry.dtype).itemsize
   cells = _zarr.choose_chunks(entry.shape, shard_shape(entry), itemsize, CELL_BYTES)
 

@@ -14,9 +14,12 @@
   file (zip) at `[offset, offset + length)` of it.
 
 The pickle's classes are never imported: the safe reader (`_torch_pickle`) turns them into
-inert records, whose fields are read here and checked (types, shapes, chunks inside their
-tensor, tiling it without overlap or hole, spans inside existing rank files) before any rank
-file is opened; every problem is reported at once, one line each naming the file and key.
+inert records, whose fields are read here and checked (types, printable keys, shapes, chunks
+inside their tensor and tiling it without overlap or hole (`_tiling`, linear in the chunks),
+each chunk's elements within its span) before any blob is read, and the rank files against
+the spans (`_rank_files`: regular files inside the folder, spans inside them, none
+overlapping, torch.save blobs); every problem is reported at once, one line each naming the
+file and key (one problem: one line in all).
 """
 
 from __future__ import annotations
@@ -24,12 +27,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import reprlib
 from typing import Any
 
 import numpy as np
 
 from ucp_jax._errors import SourceFormatError, bullet_list
-from ucp_jax.sources import _files, _remote
+from ucp_jax.sources import _files
+from ucp_jax.sources.dcp import _rank_files, _tiling
 from ucp_jax.sources.torch import _pickle_limits, _torch_pickle
 from ucp_jax.sources.torch._pickle_records import Allowed, InertGlobal, InertObject
 from ucp_jax.sources.torch._torch_file import TorchDtype
@@ -40,6 +45,8 @@ VERSIONS = (None, "1.0.0")
 """DCP format versions read: torch 2.13's `CURRENT_DCP_VERSION`, and none (earlier torch)."""
 _MODULE = "torch.distributed.checkpoint.metadata"
 _STORAGE_INFO = "torch.distributed.checkpoint.filesystem._StorageInfo"
+MAX_NAME = 255
+"""Characters of a rank file's name (a file name, as file systems allow)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +109,8 @@ def read(folder: str, fs: _files.Files | None = None) -> Layout:
 
   Raises:
     SourceFormatError: the metadata is unreadable, of another DCP version, or does not
-      describe the rank files beside it (every problem listed, with file and key).
+      describe the rank files beside it (every problem listed, with file and key; one line
+      when there is one).
     UnsafePickleError: the metadata pickle asks for something that can run code.
   """
   fs = fs or _files.for_path(folder)
@@ -114,28 +122,34 @@ def read(folder: str, fs: _files.Files | None = None) -> Layout:
     or meta.qualname != f"{_MODULE}.Metadata"
     or not isinstance(state, dict)
   ):
-    shown = meta.qualname if isinstance(meta, InertObject) else type(meta).__name__
+    shown = _name(meta)
     raise SourceFormatError(
       f"{path}: holds a {shown}, not torch.distributed.checkpoint's Metadata: not a DCP "
       "checkpoint of a known layout"
     )
   version = state.get("version")
-  if version not in VERSIONS:
+  if type(version) not in (str, type(None)) or version not in VERSIONS:
     raise SourceFormatError(
-      f"{path}: DCP format version {version!r}; this reader knows "
+      f"{path}: DCP format version {_shown(version)}; this reader knows "
       f"{', '.join(repr(v) for v in VERSIONS)} (torch 2.13 writes '1.0.0'): re-save it with "
       "a torch whose format it knows, or load it with that torch's dcp.load"
     )
+  for name in ("state_dict_metadata", "storage_data"):
+    if not isinstance(state.get(name), dict):
+      raise SourceFormatError(
+        f"{path}: Metadata.{name} is a {type(state.get(name)).__name__}, not a dict"
+      )
   problems: list[str] = []
-  sdm = _field(state, "state_dict_metadata", dict, path, problems)
-  storage = _storage_data(_field(state, "storage_data", dict, path, problems), path, problems)
+  storage = _storage_data(state["storage_data"], path, problems)
+  _raise(folder, problems)  # a chunk without storage would only repeat these
   planner = state.get("planner_data")
   paths = planner if isinstance(planner, dict) else {}
   entries: dict[str, TensorEntry | BytesEntry] = {}
-  for key, md in (sdm or {}).items():
+  budget = _tiling.Budget()
+  for key, md in state["state_dict_metadata"].items():
     where = f"{path}: `{key}`"
-    if not isinstance(key, str):
-      problems.append(f"{path}: state_dict_metadata key {key!r:.60} is not a string")
+    if not isinstance(key, str) or not key.isprintable():
+      problems.append(f"{path}: state_dict_metadata key {_shown(key)} is not a printable string")
     elif _is(md, "BytesStorageMetadata"):
       stored = storage.get((key, None))
       if stored is None:
@@ -143,17 +157,50 @@ def read(folder: str, fs: _files.Files | None = None) -> Layout:
       else:
         entries[key] = BytesEntry(key, stored)
     elif _is(md, "TensorStorageMetadata"):
-      entry = _tensor(key, md.state, storage, where, problems)
+      entry = _tensor(key, md.state, storage, where, problems, budget)
       if entry is not None:
         entries[key] = entry
     else:
       problems.append(f"{where}: {_name(md)} is neither Tensor- nor BytesStorageMetadata")
+  clean = {}
+  for key, at in paths.items():
+    if key not in entries:
+      continue
+    if not _path_of(key, at):
+      problems.append(f"{path}: planner_data[`{key}`] is {_shown(at)}, not the key's path")
+    clean[key] = at
   files = sorted({e.stored.file for e in _blobs(entries)})
-  problems += _check_files(folder, entries, files, fs)
+  problems += _rank_files.check(folder, _spans(entries), fs)
+  _raise(folder, problems)
+  return Layout(folder, version, entries, clean, tuple(files))
+
+
+def _path_of(key: str, at: Any) -> bool:
+  """Whether `at` is a path in a saved tree (names and indices) that flattens to `key`."""
+  return (
+    isinstance(at, tuple)
+    and all(type(p) in (str, int) for p in at)
+    and ".".join(map(str, at)) == key
+  )
+
+
+def _raise(folder: str, problems: list[str]) -> None:
+  if len(problems) == 1:
+    raise SourceFormatError(f"{folder}: not a DCP checkpoint it can read: {problems[0]}")
   if problems:
     raise SourceFormatError(f"{folder}: not a DCP checkpoint it can read:\n{bullet_list(problems)}")
-  clean = {k: tuple(v) for k, v in paths.items() if isinstance(v, tuple) and k in entries}
-  return Layout(folder, version, entries, clean, tuple(files))
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, 60, 60, 40
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxset = _REPR.maxfrozenset = _REPR.maxdict = 6
+
+
+def _shown(value: Any) -> str:
+  """`value` as a message shows it: short however large or deep (records by class name)."""
+  if isinstance(value, InertObject | InertGlobal):
+    return f"<{_name(value)}>"
+  return _REPR.repr(value)  # (repr escapes what is not printable)
 
 
 def _load(path: str, fs: _files.Files) -> Any:
@@ -164,6 +211,8 @@ def _load(path: str, fs: _files.Files) -> Any:
   try:
     if fs.remote and not fs.isfile(path):
       raise FileNotFoundError(path)
+    if not fs.remote and os.path.isfile(path):  # (a special file: refused by what it is)
+      _untrusted.check_inside(path, os.path.dirname(path))
     data = fs.read(path, _pickle_limits.MAX_PICKLE_BYTES)
   except FileNotFoundError:
     folder = os.path.dirname(path)
@@ -182,12 +231,12 @@ def _load(path: str, fs: _files.Files) -> Any:
 
 def _size(sizes: Any = ()) -> tuple:
   if not isinstance(sizes, (tuple, list)):
-    raise SourceFormatError(f"torch.Size({sizes!r:.60}): not a sequence")
+    raise SourceFormatError(f"torch.Size({_shown(sizes)}): not a sequence")
   return tuple(sizes)
 
 
 def _path_parts(*parts: Any) -> str:
-  return "/".join(str(p) for p in parts).replace("//", "/")
+  return "/".join(str(p) for p in parts if isinstance(p, str)).replace("//", "/")
 
 
 def _is(obj: Any, name: str) -> bool:
@@ -195,26 +244,28 @@ def _is(obj: Any, name: str) -> bool:
 
 
 def _name(obj: Any) -> str:
-  return obj.qualname if isinstance(obj, InertObject) else type(obj).__name__
+  if not isinstance(obj, InertObject | InertGlobal):
+    return type(obj).__name__
+  name = obj.qualname[:80]
+  return name if name.isprintable() else repr(name)
 
 
-def _field(state: dict, name: str, kind: type, path: str, problems: list) -> Any:
-  value = state.get(name)
-  if not isinstance(value, kind):
-    problems.append(f"{path}: Metadata.{name} is a {type(value).__name__}, not a {kind.__name__}")
-    return None
-  return value
-
-
-def _storage_data(data: dict | None, path: str, problems: list) -> dict[tuple, Stored]:
+def _storage_data(data: dict, path: str, problems: list) -> dict[tuple, Stored]:
   """storage_data as `(fqn, offsets or None) -> Stored`, each entry checked."""
   out: dict[tuple, Stored] = {}
-  for index, info in (data or {}).items():
+  for index, info in data.items():
     fields = index.state if _is(index, "MetadataIndex") else None
-    fqn = fields.get("fqn") if isinstance(fields, dict) else None
-    offset = fields.get("offset") if isinstance(fields, dict) else None
-    if not isinstance(fqn, str) or not (offset is None or _ints(offset)):
-      problems.append(f"{path}: storage_data key {_name(index)} {fields!r:.80} is no MetadataIndex")
+    if not isinstance(fields, dict):
+      problems.append(f"{path}: storage_data key {_shown(index)} is no MetadataIndex")
+      continue
+    fqn, offset = fields.get("fqn"), fields.get("offset")
+    if not isinstance(fqn, str) or not fqn.isprintable():
+      problems.append(
+        f"{path}: storage_data key {_name(index)}: fqn {_shown(fqn)} is not a printable string"
+      )
+      continue
+    if not (offset is None or _ints(offset)):
+      problems.append(f"{path}: storage_data[`{fqn}`]: offset {_shown(offset)} is not a torch.Size")
       continue
     where = f"{path}: storage_data[`{fqn}`" + ("" if offset is None else f" at {offset}") + "]"
     got = info.state if isinstance(info, InertObject) and info.qualname == _STORAGE_INFO else None
@@ -222,15 +273,15 @@ def _storage_data(data: dict | None, path: str, problems: list) -> dict[tuple, S
       problems.append(f"{where}: a {_name(info)}, not a _StorageInfo")
       continue
     file, start, length = got.get("relative_path"), got.get("offset"), got.get("length")
-    if got.get("transform_descriptors"):
+    if got.get("transform_descriptors") is not None:
       problems.append(
-        f"{where}: stored through stream transforms {got['transform_descriptors']!r:.60} "
+        f"{where}: stored through stream transforms {_shown(got['transform_descriptors'])} "
         "(DCP extensions), which this reader does not undo"
       )
     elif not _plain_name(file) or not _ints((start, length)):
       problems.append(
-        f"{where}: relative_path {file!r:.60}, offset {start!r:.20}, length {length!r:.20}: "
-        "expected a file name in the folder and two integers >= 0"
+        f"{where}: relative_path {_shown(file)}, offset {_shown(start)}, length "
+        f"{_shown(length)}: expected a file name in the folder and two integers >= 0"
       )
     else:
       out[(fqn, offset)] = Stored(file, start, length)
@@ -239,7 +290,10 @@ def _storage_data(data: dict | None, path: str, problems: list) -> dict[tuple, S
 
 def _plain_name(name: Any) -> bool:
   return (
-    isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\0" not in name
+    isinstance(name, str)
+    and 0 < len(name) <= MAX_NAME
+    and name not in (".", "..")
+    and not any(c in name for c in ("/", "\\", "\0"))
   )
 
 
@@ -247,17 +301,20 @@ def _ints(values: Any) -> bool:
   return isinstance(values, tuple) and all(type(v) is int and v >= 0 for v in values)
 
 
-def _tensor(key: str, fields: Any, storage: dict, where: str, problems: list) -> TensorEntry | None:
+def _tensor(
+  key: str, fields: Any, storage: dict, where: str, problems: list, budget: _tiling.Budget
+) -> TensorEntry | None:
   if not isinstance(fields, dict):
     problems.append(f"{where}: TensorStorageMetadata without fields")
     return None
   shape, chunks = fields.get("size"), fields.get("chunks")
   dtype = _dtype(fields.get("properties"))
   bad = []
-  if not _ints(shape) or len(shape) > 64:
-    bad.append(f"size {shape!r:.60} is not a torch.Size")
   if dtype is None:
-    bad.append(f"properties {fields.get('properties')!r:.80} name no dtype numpy has")
+    bad.append(f"properties {_shown(fields.get('properties'))} name no dtype numpy has")
+  shape_bad = _untrusted.shape_problem(shape, dtype.itemsize if dtype is not None else 1)
+  if shape_bad or not isinstance(shape, tuple):
+    bad.append(f"size: {shape_bad or 'not a torch.Size'}")
   if not isinstance(chunks, list):
     bad.append(f"chunks is a {type(chunks).__name__}, not a list")
   if bad:
@@ -269,22 +326,29 @@ def _tensor(key: str, fields: Any, storage: dict, where: str, problems: list) ->
     offsets = got.get("offsets") if isinstance(got, dict) else None
     sizes = got.get("sizes") if isinstance(got, dict) else None
     if not _ints(offsets) or not _ints(sizes) or not len(offsets) == len(sizes) == len(shape):
-      problems.append(f"{where}: chunk {i} ({_name(chunk)} {got!r:.80}) has no offsets and sizes")
+      problems.append(f"{where}: chunk {i} ({_name(chunk)} {_shown(got)}) has no offsets and sizes")
       continue
     ends = tuple(o + s for o, s in zip(offsets, sizes))
     if any(e > n for e, n in zip(ends, shape)):
       problems.append(
-        f"{where}: chunk at {offsets} of sizes {sizes} ends at {ends}, past the declared "
-        f"size {shape}"
+        f"{where}: chunk at {_shown(offsets)} of sizes {_shown(sizes)} ends at {_shown(ends)}, "
+        f"past the declared size {shape}"
       )
       continue
     stored = storage.get((key, offsets))
     if stored is None:
-      problems.append(f"{where}: chunk at {offsets} has no storage_data entry")
+      problems.append(f"{where}: chunk at {_shown(offsets)} has no storage_data entry")
+      continue
+    nbytes = math.prod(sizes) * dtype.itemsize
+    if stored.length < nbytes:
+      problems.append(
+        f"{where}: chunk at {_shown(offsets)} of sizes {_shown(sizes)} needs {nbytes} bytes of "
+        f"{dtype}, and it is stored in {stored.length}: its file cannot hold it"
+      )
       continue
     out.append(Chunk(offsets, sizes, stored))
   if len(out) == len(chunks):
-    problems += [f"{where}: {p}" for p in _tiling(shape, out)]
+    problems += [f"{where}: {p}" for p in _tiling.problems(shape, out, budget)]
   return TensorEntry(key, shape, dtype, tuple(out))
 
 
@@ -300,46 +364,6 @@ def _dtype(properties: Any) -> np.dtype | None:
   return dtype.numpy_dtype if isinstance(dtype, TorchDtype) else None
 
 
-def _tiling(shape: tuple[int, ...], chunks: list[Chunk]) -> list[str]:
-  """Overlaps and holes among chunks that all lie inside `shape`."""
-  if not chunks and math.prod(shape):
-    return ["no chunks: the tensor is stored nowhere"]
-  problems = []
-  live = [c for c in chunks if math.prod(c.sizes)]
-  order = sorted(live, key=lambda c: c.offsets[:1])
-  for i, a in enumerate(order):  # a sweep along dimension 0: compare only chunks that meet there
-    for b in order[i + 1 :]:
-      if shape and b.offsets[0] >= a.offsets[0] + a.sizes[0]:
-        break
-      if all(
-        max(x, y) < min(x + n, y + m) for x, n, y, m in zip(a.offsets, a.sizes, b.offsets, b.sizes)
-      ):
-        problems.append(
-          f"chunks at {a.offsets} (sizes {a.sizes}) and {b.offsets} (sizes {b.sizes}) overlap"
-        )
-  if not problems:
-    held = sum(math.prod(c.sizes) for c in live)
-    if held != math.prod(shape):
-      problems.append(
-        f"chunks cover {held} of its {math.prod(shape)} elements: holes{_holes(shape, live)}"
-      )
-  return problems
-
-
-def _holes(shape: tuple[int, ...], chunks: list[Chunk]) -> str:
-  """Where along dimension 0 nothing is stored, when every chunk spans the other dimensions."""
-  if not shape or any(c.sizes[1:] != shape[1:] for c in chunks):
-    return ""
-  gaps, at = [], 0
-  for c in sorted(chunks, key=lambda c: c.offsets[0]):
-    if c.offsets[0] > at:
-      gaps.append(f"[{at}, {c.offsets[0]})")
-    at = max(at, c.offsets[0] + c.sizes[0])
-  if at < shape[0]:
-    gaps.append(f"[{at}, {shape[0]})")
-  return f" at rows {', '.join(gaps)}" if gaps else ""
-
-
 def _blobs(entries: dict) -> list:
   out = []
   for entry in entries.values():
@@ -347,71 +371,11 @@ def _blobs(entries: dict) -> list:
   return out
 
 
-def _check_files(folder: str, entries: dict, files: list[str], fs: _files.Files) -> list[str]:
-  """Each rank file exists, is a regular file, and holds the spans stored in it."""
-  users: dict[str, list[str]] = {}
-  for key, entry in entries.items():
-    for name in dict.fromkeys(b.stored.file for b in _blobs({key: entry})):
-      users.setdefault(name, []).append(key)
-  if fs.remote:
-    return _check_objects(folder, entries, users, fs)
-  problems = []
-  sizes = {}
-  for name in files:
-    full = os.path.join(folder, name)
-    keys = users[name]
-    shown = _some(keys)
-    try:
-      with _untrusted.open_regular(full) as f:
-        sizes[name] = os.fstat(f.fileno()).st_size
-    except FileNotFoundError:
-      problems.append(
-        f"{full}: missing (a rank file; {len(keys)} entries are stored in it: {shown})"
-      )
-    except (OSError, SourceFormatError) as e:
-      problems.append(f"{full}: unreadable ({getattr(e, 'strerror', None) or e}); it holds {shown}")
+def _spans(entries: dict) -> dict[str, list[tuple[str, str, Any]]]:
+  """Rank file -> (key, what, blob) of every blob stored in it, in the order of the keys."""
+  out: dict[str, list] = {}
   for key, entry in entries.items():
     for blob in _blobs({key: entry}):
-      stored = blob.stored
-      size = sizes.get(stored.file)
-      if size is not None and stored.offset + stored.length > size:
-        at = f" chunk at {blob.offsets}" if isinstance(blob, Chunk) else ""
-        problems.append(
-          f"{os.path.join(folder, stored.file)}: `{key}`{at} is stored at bytes "
-          f"{stored.offset}..{stored.offset + stored.length}, past the end of the file ({size} "
-          "bytes): truncated?"
-        )
-  return problems
-
-
-def _some(keys: list[str]) -> str:
-  return ", ".join(f"`{k}`" for k in keys[:3]) + (" ..." if len(keys) > 3 else "")
-
-
-def _check_objects(
-  folder: str, entries: dict, users: dict[str, list[str]], fs: _files.Files
-) -> list[str]:
-  """`_check_files` on an object store, where sizes are not listed: each rank file's last
-  stored byte is read (one small request per file)."""
-  ends: dict[str, int] = {}
-  for blob in _blobs(entries):
-    stored = blob.stored
-    ends[stored.file] = max(ends.get(stored.file, 0), stored.offset + stored.length)
-  problems = []
-  objects = _remote.Folder.at(folder)
-  for name, keys in users.items():
-    full = os.path.join(folder, name)
-    if not fs.isfile(full):
-      problems.append(
-        f"{full}: missing (a rank file; {len(keys)} entries are stored in it: {_some(keys)})"
-      )
-    elif ends[name]:
-      try:
-        objects.read(name, ends[name] - 1, ends[name])
-        _files.note_size(full, ends[name])
-      except SourceFormatError:
-        problems.append(
-          f"{full}: shorter than the {ends[name]} bytes its entries are stored in ({_some(keys)}): "
-          "truncated?"
-        )
-  return problems
+      at = f" chunk at {_shown(blob.offsets)}" if isinstance(blob, Chunk) else ""
+      out.setdefault(blob.stored.file, []).append((key, at, blob))
+  return out

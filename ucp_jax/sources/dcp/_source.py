@@ -21,6 +21,7 @@ state) is kept in the schema's `extra` as JSON. `.metadata` and the rank files a
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -43,10 +44,12 @@ OPTIMIZER_KEYS = ("optim", "optimizer")
 
 
 def sniff(path: str, fs: _files.Files | None = None) -> bool:
-  """A folder with a `.metadata` file, or rank 0's `__0.metadata` (file names only)."""
+  """A folder with a `.metadata` file, or rank 0's `__0.metadata` (file names only; a
+  `.metadata` that is no regular file counts, so that reading it says what it is)."""
   fs = fs or _files.for_path(path)
   names = (_metadata.METADATA, "__0" + _metadata.METADATA)
-  return fs.isdir(path) and any(fs.isfile(os.path.join(path, n)) for n in names)
+  found = fs.isfile if fs.remote else os.path.lexists
+  return fs.isdir(path) and any(found(os.path.join(path, n)) for n in names)
 
 
 def sniff_remote(url: str) -> bool:
@@ -83,6 +86,8 @@ def describe(path: str) -> Plan:
     if name not in model:
       problems.append(f"{meta}: `optim.param_groups` name `{name}`, which the model lacks")
   held, steps = _held(state, model, tensors, layout, files, meta, problems)
+  if len(problems) == 1:
+    raise SourceFormatError(f"{path}: not a model and optimizer state it can read: {problems[0]}")
   if problems:
     raise SourceFormatError(
       f"{path}: not a model and optimizer state it can read:\n" + bullet_list(problems)
@@ -101,7 +106,7 @@ def describe(path: str) -> Plan:
   buffers, rest = {}, [n for n in model if n not in group_of]
   for name in rest:
     key = model[name]
-    tied = _tied_to(name, key, params, tensors) if members else None
+    tied = _tied_to(key, params, model, layout, files) if members else None
     if tied is not None:
       params.append(Param(name, None, tied_to=tied))
     elif is_buffer(name):
@@ -260,8 +265,8 @@ def _held(state: dict, model: dict, tensors: dict, layout: Layout, files, meta, 
       continue
     if slot == "step":
       step = _value(layout, files, key, meta, problems)
-      if step is not None and not isinstance(step, (int, float)):
-        problems.append(f"{meta}: `{key}`: step {step!r:.40} is not a number")
+      if step is not None and not (isinstance(step, (int, float)) and math.isfinite(step)):
+        problems.append(f"{meta}: `{key}`: step {step!r:.40} is not a finite number")
       elif step is not None:
         steps[fqn] = step
       continue
@@ -275,21 +280,17 @@ def _held(state: dict, model: dict, tensors: dict, layout: Layout, files, meta, 
   return held, steps
 
 
-def _tied_to(name: str, key: str, params: list[Param], tensors: dict) -> str | None:
-  """The trainable parameter `name` aliases: the same shape, dtype and bytes."""
-  mine = tensors[key]
+def _tied_to(key: str, params: list[Param], model: dict, layout: Layout, files) -> str | None:
+  """The trainable parameter that model entry `key` aliases: the same shape, dtype and bytes."""
+  mine = layout.entries[key]
   for p in params:
-    other = p.value
-    if p.frozen or p.tied_to or other is None or other.shape != mine.shape:
+    if p.frozen or p.tied_to or p.value is None:
       continue
-    if other.dtype == mine.dtype and np.array_equal(_whole(other), _whole(mine)):
+    other = layout.entries[model[p.name]]
+    same = other.shape == mine.shape and other.dtype == mine.dtype
+    if same and _chunks.same_bytes(files, other, mine):
       return p.name
   return None
-
-
-def _whole(tensor: Tensor) -> np.ndarray:
-  pieces = tensor.pieces()
-  return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
 
 def _optimizer(hypers: list[dict], members: list[list[str]], steps: dict) -> dict:

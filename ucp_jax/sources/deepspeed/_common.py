@@ -6,10 +6,12 @@ offending items, each naming its file and key, and raises one `SourceFormatError
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,6 +22,7 @@ from ucp_jax.sources._source_plan import Param, jsonable, number
 from ucp_jax.sources.deepspeed import _contract as contract
 from ucp_jax.sources.torch import _optimizer, _torch_file
 from ucp_jax.sources.torch._torch_file import is_tensor
+from ucp_jax.store import _untrusted
 
 MODEL_KEYS = (
   "module",
@@ -40,9 +43,9 @@ _ENGINE_KEYS = frozenset(
 )
 MAX_NAME = 1024
 """Characters of a parameter name (patterns match names: their time grows with the length)."""
-MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
-ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
-OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+MODEL_RE = re.compile(r"^mp_rank_([0-9]+)_model_states\.pt\Z")
+ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_([0-9]+)_mp_rank_([0-9]+)_model_states\.pt\Z")
+OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_([0-9]+)_mp_rank_([0-9]+)_optim_states\.pt\Z")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,14 +58,44 @@ class TagFiles:
   zero3: bool
 
 
+def shown_names(names: Sequence[str], limit: int = 12) -> str:
+  """The first `limit` file names of a listing, for a message: one line whatever the names
+  hold (a name that is not printable is shown as its repr)."""
+  shown = [n if n.isprintable() else repr(n) for n in names[:limit]]
+  return ", ".join(shown) + (" ..." if len(names) > limit else "") or "nothing"
+
+
 def fail(header: str, problems: Sequence[str]) -> None:
-  """Raises one `SourceFormatError` listing `problems` under `header`, if there are any."""
+  """Raises one `SourceFormatError` listing `problems` under `header`, if there are any
+  (one line when there is one)."""
+  if len(problems) == 1:
+    raise SourceFormatError(f"{header}: {problems[0]}")
   if problems:
     raise SourceFormatError(f"{header}:\n{bullet_list(list(problems))}")
 
 
-load = _torch_file.load_named
-"""Reads a torch file with the safe reader (memory-mapped); errors name the file."""
+_ROOT: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+  "ucp_jax_deepspeed_root", default=None
+)
+
+
+@contextlib.contextmanager
+def reading(root: str) -> Iterator[None]:
+  """Within it, `load` reads only files inside the checkpoint folder `root`: a link (to a
+  file or a folder on the way) that leaves it is refused before anything of it is read."""
+  token = _ROOT.set(root)
+  try:
+    yield
+  finally:
+    _ROOT.reset(token)
+
+
+def load(path: str) -> Any:
+  """Reads a torch file with the safe reader (memory-mapped); errors name the file."""
+  root = _ROOT.get()
+  if root is not None and "://" not in path and os.path.isfile(path):  # (special files:
+    _untrusted.check_inside(path, root)  # the reader refuses them, saying what they are)
+  return _torch_file.load_named(path)
 
 
 MAX_TAG_BYTES = 4096
@@ -74,8 +107,10 @@ def read_tag(path: str) -> str:
 
   Raises:
     SourceFormatError: `path` is not a regular file of UTF-8 text naming one folder (no
-      separator, not ``..``, not absolute).
+      separator, not ``..``, not absolute), or a link out of its folder (not read).
   """
+  if "://" not in path and os.path.isfile(path):
+    _untrusted.check_inside(path, os.path.dirname(path) or ".")
   try:
     raw = _files.head(path, MAX_TAG_BYTES + 1)
   except OSError as e:
@@ -124,7 +159,7 @@ def list_tag(folder: str) -> TagFiles:
       sorted(n for names in prefixes.values() for n in names),
     )
   if not (models or zero3_models) or not optims:
-    found = ", ".join(names[:12]) + (" ..." if len(names) > 12 else "") or "nothing"
+    found = shown_names(names)
     raise SourceFormatError(
       f"{folder}: not a DeepSpeed ZeRO tag folder: expected mp_rank_00_model_states.pt (ZeRO-1/2, "
       "BF16 optimizer) or zero_pp_rank_K_mp_rank_00_model_states.pt (ZeRO-3), and "
@@ -133,7 +168,8 @@ def list_tag(folder: str) -> TagFiles:
   zero3 = bool(zero3_models) and not models
   paths = [zero3_models[k] for k in sorted(zero3_models)] if zero3 else models
   if zero3 and sorted(zero3_models) != list(range(len(zero3_models))):
-    missing = sorted(set(range(max(zero3_models) + 1)) - set(zero3_models))
+    # within 0..n-1 (n files): a rank a file names may be huge, and one of them is missing
+    missing = [k for k in range(len(zero3_models)) if k not in zero3_models]
     fail(
       f"{folder}: model-states files are missing for dp ranks {missing}",
       [f"zero_pp_rank_{k}_mp_rank_00_model_states.pt" for k in missing],
@@ -231,7 +267,7 @@ def shapes_of(model: dict, path: str, problems: list[str]) -> list[dict[str, tup
   for g, group in enumerate(shapes):
     entry = {}
     for name, shape in group.items():
-      if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME:
+      if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME or not name.isprintable():
         problems.append(f"{path}: ['param_shapes'][{g}] has the key {name!r:.40}, not a name")
         continue
       if not (isinstance(shape, tuple) and all(type(d) is int and d >= 0 for d in shape)):

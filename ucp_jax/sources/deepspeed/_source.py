@@ -15,6 +15,7 @@ from ucp_jax._errors import SourceFormatError
 from ucp_jax.sources import _files
 from ucp_jax.sources._source_plan import Plan
 from ucp_jax.sources.deepspeed import _common, _universal
+from ucp_jax.store import _untrusted
 
 NAME = "deepspeed"
 DESCRIPTION = (
@@ -68,13 +69,14 @@ def describe(path: str, *, patterns: Sequence = ()) -> Plan:
   from ucp_jax.sources.deepspeed import _tp, _zero, _zero3
 
   kind, folder = detect(path)
-  if kind == "deepspeed_universal":
-    plan = _universal.plan(folder)
-  elif _tp.is_model_parallel(folder):  # TP/PP/EP ranks: merged by pattern
-    plan = _tp.plan(folder, rules=patterns)
-  else:
-    files = _common.list_tag(folder)
-    plan = (_zero3 if files.zero3 else _zero).plan(files)
+  with _common.reading(os.fspath(path)):  # no link out of the checkpoint folder is followed
+    if kind == "deepspeed_universal":
+      plan = _universal.plan(folder)
+    elif _tp.is_model_parallel(folder):  # TP/PP/EP ranks: merged by pattern
+      plan = _tp.plan(folder, rules=patterns)
+    else:
+      files = _common.list_tag(folder)
+      plan = (_zero3 if files.zero3 else _zero).plan(files)
   return dataclasses.replace(plan, format=kind)
 
 
@@ -93,6 +95,8 @@ def detect(src: str | os.PathLike) -> tuple[str, str]:
     if _files.lexists(file) and not _files.isdir(file):
       tag = _common.read_tag(file)
       folder = os.path.join(path, tag)
+      if "://" not in folder and os.path.lexists(folder):
+        _untrusted.check_inside(folder, path)  # a tag folder that is a link out: not listed
       kind = _folder_kind(folder) if _files.isdir(folder) else None
       if kind is None:
         raise SourceFormatError(
@@ -100,7 +104,7 @@ def detect(src: str | os.PathLike) -> tuple[str, str]:
         )
       return kind, folder
   names = sorted(_files.listdir(path))
-  found = ", ".join(names[:12]) + (" ..." if len(names) > 12 else "") if names else "nothing"
+  found = _common.shown_names(names)
   raise SourceFormatError(
     f"{path}: not a DeepSpeed checkpoint. Looked for: a checkpoint folder (a `latest` file "
     "naming its tag folder); a tag folder (mp_rank_00_model_states.pt or "

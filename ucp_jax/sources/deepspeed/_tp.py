@@ -41,9 +41,10 @@ from ucp_jax.sources._source_plan import Param, Plan, Tensor, read_pieces, relea
 from ucp_jax.sources.deepspeed import _common as common
 from ucp_jax.sources.deepspeed import _contract as contract
 from ucp_jax.sources.deepspeed import _zero
+from ucp_jax.store import _untrusted
 
-_LAYER_RE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
-_EXPERT_RE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+_LAYER_RE = re.compile(r"^layer_([0-9]+)-model_([0-9]+)-model_states\.pt\Z")
+_EXPERT_RE = re.compile(r"^layer_([0-9]+)_expert_([0-9]+)_mp_rank_([0-9]+)_model_states\.pt\Z")
 _EXPERT_KEY_RE = re.compile(r"^(.*\.deepspeed_experts\.)(\d+)\.(.*)$")
 
 
@@ -300,7 +301,10 @@ def _merged(name: str, stages: dict[int, dict[int, Param]], tp: int, pattern: Pa
       return None
     where = f"{name} ({key}; tp {tp}, stages {sorted(stages)})"
     tensors[key] = Tensor(
-      shape, per_stage[min(stages)][0].dtype, _merge_pieces(name, per_stage, pattern), where
+      shape,
+      per_stage[min(stages)][0].dtype,
+      _merge_pieces(name, per_stage, pattern, shape, where),
+      where,
     )
   value = tensors.pop("value")
   shard = shard_block(resolved, shape, [p.value.shape for p in shards[min(stages)]], name)
@@ -334,8 +338,12 @@ def shard_block(
   return tuple(block)
 
 
-def _merge_pieces(name: str, per_stage: dict[int, list[Tensor]], pattern: Pattern):
+def _merge_pieces(
+  name: str, per_stage: dict[int, list[Tensor]], pattern: Pattern, shape: tuple, where: str
+):
   def pieces() -> list[np.ndarray]:
+    itemsize = np.dtype(per_stage[min(per_stage)][0].dtype).itemsize
+    _untrusted.check_allocation(math.prod(shape) * itemsize, where)  # sizes from the files
     merged = {}
     for s, tensors in per_stage.items():
       shards = [read_pieces(t.pieces()) for t in tensors]
@@ -393,6 +401,7 @@ def _experts(name: str, files: dict[int, tuple[str, str]], problems) -> Param:
   pattern = _patterns.expert(n)
 
   def pieces() -> list[np.ndarray]:
+    _untrusted.check_allocation(math.prod(shape) * sample.dtype.itemsize, path0)
     arrays = read_pieces([common.load(files[e][0])[files[e][1]] for e in range(n)])
     return [
       np.ascontiguousarray(_patterns.merge(arrays, pattern, name=name, per_expert=True)).reshape(-1)

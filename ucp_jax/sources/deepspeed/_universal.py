@@ -24,8 +24,9 @@ from ucp_jax.sources.deepspeed import _common as common
 from ucp_jax.sources.deepspeed import _contract as contract
 from ucp_jax.sources.deepspeed import _zero, _zero3
 from ucp_jax.sources.torch._torch_file import is_tensor
+from ucp_jax.store import _untrusted
 
-_ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
+_ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_([0-9]+)_mp_rank_00_model_states\.pt\Z")
 
 
 def is_universal(folder: str) -> bool:
@@ -205,6 +206,8 @@ def _loader(path: str, shape: tuple[int, ...], stage: int) -> Pieces:
     data = _tensor(path, stage)
     if data.size != math.prod(shape):
       raise SourceFormatError(f"{path}: tensor of shape {data.shape}, param_shapes says {shape}")
+    if not data.flags.c_contiguous:  # copied: sizes come from the file
+      _untrusted.check_allocation(data.nbytes, path)
     return [np.ascontiguousarray(data).reshape(-1)]
 
   return pieces

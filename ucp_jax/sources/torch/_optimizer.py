@@ -29,6 +29,7 @@ import numpy as np
 from ucp_jax._errors import SourceFormatError, bullet_list
 from ucp_jax.sources._source_plan import Tensor, jsonable, number
 from ucp_jax.sources.torch._torch_file import is_tensor
+from ucp_jax.store import _untrusted
 
 MAX_STATES = 1 << 20
 """Partial interleavings tried at once; past it the ids count as ambiguous."""
@@ -268,9 +269,12 @@ def whole(array: np.ndarray, where: str) -> Tensor:
   if array.flags.c_contiguous:
     piece = array.reshape(-1)
     return Tensor(tuple(array.shape), array.dtype, lambda: [piece], where)
-  return Tensor(
-    tuple(array.shape), array.dtype, lambda: [np.ascontiguousarray(array).reshape(-1)], where
-  )
+
+  def copied() -> list[np.ndarray]:  # sizes come from the file: the copy must fit in memory
+    _untrusted.check_allocation(array.nbytes, where)
+    return [np.ascontiguousarray(array).reshape(-1)]
+
+  return Tensor(tuple(array.shape), array.dtype, copied, where)
 
 
 def _is_number(value: Any) -> bool:

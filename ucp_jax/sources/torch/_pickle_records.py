@@ -42,8 +42,17 @@ class InertObject:
   listitems: list | None = None
   dictitems: dict | None = None
 
-  def __hash__(self) -> int:  # the fields that BUILD, SETITEMS and APPENDS never change
-    return hash((self.qualname, self.args))
+  def __hash__(self) -> int:
+    # Records of one class made by NEWOBJ differ only in their state (DCP's MetadataIndex,
+    # thousands of them as dict keys): hashing (qualname, args) alone made every insertion
+    # compare against all the others, quadratic time. A bounded digest of the state keeps
+    # equal records equal in hash and tells apart those that differ in a small field. The
+    # hash is kept once taken: a BUILD after the record became a dict key strands no entry.
+    cached = self.__dict__.get("_hash")
+    if cached is None:
+      cached = hash((self.qualname, self.args, _digest(self.state)))
+      object.__setattr__(self, "_hash", cached)
+    return cached
 
   def get(self, name: str, default: Any = None) -> Any:
     """Returns attribute `name` from the recorded state, or `default`."""
@@ -59,6 +68,36 @@ class InertObject:
     if len(self.args) != 1:
       raise AttributeError(f"{self.qualname} record has {len(self.args)} arguments, not one value")
     return self.args[0]
+
+
+_DIGEST_ITEMS = 64
+_DIGEST_SCALARS = (str, int, float, bytes, bool, type(None))
+
+
+def _digest(state: Any) -> tuple:
+  """At most `_DIGEST_ITEMS` items summing up `state`, the same for equal states (dicts of
+  string keys in key order; other containers by kind and length). Not recursive."""
+  out: list = []
+  stack = [state]
+  while stack and len(out) < _DIGEST_ITEMS:
+    node = stack.pop()
+    kind = type(node)
+    if kind in _DIGEST_SCALARS:
+      out.append(node)
+    elif kind in (tuple, list):
+      out.append((kind.__name__, len(node)))
+      stack.extend(reversed(node[:_DIGEST_ITEMS]))
+    elif isinstance(node, dict) and len(node) <= _DIGEST_ITEMS:
+      keys = list(node)
+      out.append(("dict", len(node)))
+      if all(type(k) is str for k in keys):
+        for key in sorted(keys, reverse=True):
+          stack += [node[key], key]
+    elif isinstance(node, (dict, set, frozenset)):
+      out.append(("mapping or set", len(node)))
+    else:
+      out.append(kind.__name__)
+  return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,6 +31,7 @@ from ucp_jax.sources.torch import _optimizer, _torch_file
 from ucp_jax.sources.torch._optimizer import whole
 from ucp_jax.sources.torch._torch_file import is_tensor
 from ucp_jax.sources.torch._torch_zip import ByteSpan
+from ucp_jax.store import _untrusted
 
 NAME = "torch"
 DESCRIPTION = (
@@ -182,7 +183,9 @@ def tensors(state: dict, file: str, prefix: str = "") -> dict[str, np.ndarray]:
   bad = []
   for name, value in state.items():
     if not isinstance(name, str):
-      bad.append(f"{prefix}[{name!r}]: a {type(name).__name__} key, not a parameter name")
+      bad.append(f"{prefix}[{name!r:.80}]: a {type(name).__name__} key, not a parameter name")
+    elif not name.isprintable():
+      bad.append(f"{prefix}[{name!r:.80}]: not printable text, not a parameter name")
     elif not is_tensor(value):
       shown = getattr(value, "qualname", None) or f"{type(value).__name__} {value!r:.40}"
       bad.append(f"{prefix}[{name!r}] holds {shown}, not a tensor")
@@ -238,9 +241,12 @@ def _the_file(path: str) -> str:
     return path
   files = _torch_files(path)
   if len(files) != 1:
-    found = ", ".join(files) or "none"
+    found = ", ".join(f if f.isprintable() else repr(f) for f in files[:12]) or "none"
     raise SourceFormatError(
       f"{path}: a folder read as a torch source must hold exactly one torch file "
       f"({', '.join(SUFFIXES)}); found {found}: pass the file"
     )
-  return os.path.join(path, files[0])
+  file = os.path.join(path, files[0])
+  if not _files.for_path(path).remote:
+    _untrusted.check_inside(file, path)  # a link in the folder may not lead out of it
+  return file
