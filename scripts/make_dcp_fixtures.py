@@ -373,7 +373,6 @@ def main(argv=None) -> int:
   parser.add_argument(
     "--out",
     type=Path,
-    required=True,
     help="output folder (the committed fixtures: tests/fixtures/dcp)",
   )
   parser.add_argument("--live", type=Path, help="run the live round trips in this folder")
@@ -384,6 +383,10 @@ def main(argv=None) -> int:
     return 0
   if args.live:
     return live(args.live)
+  if args.out is None:
+    parser.error(
+      "--out is required to make the fixtures (tests/fixtures/dcp for the committed ones)"
+    )
   make_fixtures(args.out)
   return 0
 

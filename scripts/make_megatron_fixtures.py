@@ -301,7 +301,6 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument(
     "--out",
     type=Path,
-    required=True,
     help="output folder (the committed fixtures: tests/fixtures/tp)",
   )
   parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -309,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
   if args.worker:
     worker(args.worker)
     return 0
+  if args.out is None:
+    parser.error("--out is required (tests/fixtures/tp for the committed fixtures)")
   dest = args.out / NAME
   with tempfile.TemporaryDirectory(prefix="megfix_") as tmp:
     tmp_path = Path(tmp)

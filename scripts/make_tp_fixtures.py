@@ -555,7 +555,6 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument(
     "--out",
     type=Path,
-    required=True,
     help="output folder (the committed fixtures: tests/fixtures/tp)",
   )
   parser.add_argument("--only", action="append", choices=sorted(FIXTURES))
@@ -578,6 +577,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, (kind, tp, pp, dp) in FIXTURES.items():
       print(f"{name}: {kind} tp={tp} pp={pp} dp={dp} ranks={tp * pp * dp}")
     return 0
+  if args.out is None:
+    parser.error("--out is required to make the fixtures (tests/fixtures/tp: the committed ones)")
   failed = []
   for name in args.only or list(FIXTURES):
     try:
