@@ -401,3 +401,9 @@ def test_a_key_or_region_that_is_not_there_is_a_ucp_error(ckpt):
     opened.read("a", np.s_[:, 9])
   with pytest.raises(IndexError):  # still what numpy code catches
     opened.read("a", (0, 0, 0))
+
+
+def test_a_name_that_is_not_valid_unicode_is_an_invalid_key(tmp_path):
+  with pytest.raises(ucp_jax.InvalidKeyError, match=r"name 'a\\ud800' is not valid Unicode"):
+    ucp_jax.save(tmp_path / "x", {"a\ud800": np.ones(2)})
+  assert not (tmp_path / "x").exists()

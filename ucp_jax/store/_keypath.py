@@ -18,6 +18,8 @@ import urllib.parse
 from collections.abc import Iterable
 from typing import Any
 
+from ucp_jax import _errors
+
 _SAFE = "-_.~+=,@[]()"
 _PART = re.compile(r"^(?:[A-Za-z0-9\-_.~+=,@\[\]()]|%[0-9A-Fa-f]{2})+$")
 RESERVED = frozenset({"zarr.json", "manifest.json", ".ucp-lock"})
@@ -34,7 +36,18 @@ readers refuse documents nested deeper than `_untrusted.MAX_JSON_DEPTH`."""
 
 @functools.lru_cache(maxsize=1 << 16)  # the same names recur in every save, restore, reshard
 def encode_part(name: str) -> str:
-  """Encodes one path component (a dict key, attribute or index)."""
+  """Encodes one path component (a dict key, attribute or index).
+
+  Raises:
+    InvalidKeyError: a name that is not valid Unicode (a lone surrogate), which no file
+      name, URL or JSON reader takes.
+  """
+  try:
+    name.encode()
+  except UnicodeEncodeError:
+    raise _errors.InvalidKeyError(
+      f"name {name!a} is not valid Unicode (a lone surrogate): no key can hold it"
+    ) from None
   if name in ("", ".", ".."):
     return {"": "%00empty", ".": "%2E", "..": "%2E%2E"}[name]
   encoded = urllib.parse.quote(name, safe=_SAFE)
