@@ -449,7 +449,7 @@ def test_restore_through_a_mapping_reads_each_device_slice_only(tmp_path, spec):
   out = ucp_jax.restore(
     tmp_path / "c", target, subtree="params", rules=TRANSPOSED, max_host_bytes=1
   )
-  assert _file_reads() - before == expected + 1  # + the manifest
+  assert _file_reads() - before == expected  # (the manifest is read by os, not counted here)
   kernel = out["blocks"][0]["kernel"]
   assert kernel.sharding == sharding
   np.testing.assert_array_equal(np.asarray(kernel), sd["h.0.w"].T)
