@@ -334,11 +334,11 @@ def test_malformed_manifest_entries_name_the_key(ckpt):
       ucp_jax.open(ckpt)
   for edit, problem in (
     ({"source": "deepspeed"}, "\"source\" is 'deepspeed', not an object"),
-    ({"metadata": [1]}, "\"metadata\" is \\[1\\], not an object"),
+    ({"metadata": [1]}, '"metadata" is \\[1\\], not an object'),
     ({"step": "7"}, "\"step\" is '7', not an integer or null"),
-    ({"step": True}, "\"step\" is True, not an integer or null"),
-    ({"schema": 3}, "\"schema\" is 3, not an object or null"),
-    ({"created": 3}, "\"created\" is 3, not a string"),
+    ({"step": True}, '"step" is True, not an integer or null'),
+    ({"schema": 3}, '"schema" is 3, not an object or null'),
+    ({"created": 3}, '"created" is 3, not a string'),
   ):
     manifest.write_bytes(seal({**good, **edit}))
     with pytest.raises(ucp_jax.ManifestError, match=f"malformed manifest: {problem}"):

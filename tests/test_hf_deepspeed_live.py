@@ -124,7 +124,9 @@ def _jax_leg(name: str, tmp_path, ds_first: dict) -> dict:
   jax_losses = train(N, K)
   hyper = [dict(HYPER), dict(HYPER, weight_decay=0.0)]  # Optax's label order: decay, no_decay
   ucp_jax.save_train_state(tmp_path / "jax" / name, model, optimizer, hyperparams=hyper)
-  ucp_jax.export(tmp_path / "jax" / name, tmp_path / "ds_export" / name, rules=rules, format="deepspeed")
+  ucp_jax.export(
+    tmp_path / "jax" / name, tmp_path / "ds_export" / name, rules=rules, format="deepspeed"
+  )
   hf_dir = tmp_path / "hf_export" / name
   ucp_jax.export(
     tmp_path / "jax" / name, hf_dir, format="hf", rules=rules, config=hf.config.to_dict()

@@ -216,23 +216,26 @@ def test_from_hf_refuses_what_the_reference_models_do_not_compute(tmp_path):
     "hidden_size": 32,
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
-    "hidden_act": "quick_gelu",
-    "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0},
+    "hidden_act": "xielu",
+    "rms_norm_eps": None,
+    "rope_parameters": {"rope_type": "mrope", "rope_theta": 1e4},
   }
   with pytest.raises(ucp_jax.MappingError) as e:
     rules.from_hf(bad)
   assert str(e.value) == (
     "config.json (llama): the reference Flax model cannot run it: "
-    "`intermediate_size`: missing; "
-    "`hidden_act`: 'quick_gelu' is not one of silu, swish, gelu_new, gelu_pytorch_tanh, "
-    "gelu_fast, gelu, relu; "
-    "rope_type 'yarn': supported are default, linear, llama3"
+    "`rms_norm_eps`: null is not a positive number; "
+    "`hidden_act`: 'xielu' is not one of silu, swish, gelu_new, gelu_pytorch_tanh, "
+    "gelu_python_tanh, gelu_fast, gelu_accurate, gelu, gelu_python, quick_gelu, relu, relu2, "
+    "relu6, tanh, sigmoid; "
+    "rope_type 'mrope': supported are default, linear, llama3, dynamic, yarn, longrope"
   )
   with pytest.raises(
     ucp_jax.MappingError,
-    match="`model_type` 'phi3' has no ready rule set; ready: gpt2, llama, mistral, qwen2, qwen3, gemma",
+    match="`model_type` 'bert' has no ready rule set; ready: gpt2, llama, mistral, qwen2, qwen3, "
+    "gemma, gemma2, gemma3_text, phi3, olmo2, gpt_neox",
   ):
-    rules.from_hf({"model_type": "phi3"})
+    rules.from_hf({"model_type": "bert"})
   mixed = dict(
     CASES["qwen2"][2],
     model_type="qwen2",
@@ -240,8 +243,7 @@ def test_from_hf_refuses_what_the_reference_models_do_not_compute(tmp_path):
     sliding_window=4,
     max_window_layers=1,
   )
-  with pytest.raises(ucp_jax.MappingError, match="sliding and full layers mixed"):
-    rules.from_hf(mixed)
+  assert rules.from_hf(mixed)[1].layer_types == ("full_attention", "sliding_attention")
   gpt2 = dict(CASES["gpt2"][2], model_type="gpt2", scale_attn_by_inverse_layer_idx=True)
   with pytest.raises(ucp_jax.MappingError, match="scale_attn_by_inverse_layer_idx: true"):
     rules.from_hf(gpt2)

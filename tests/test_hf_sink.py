@@ -65,7 +65,44 @@ def test_one_file_below_the_limit_and_a_cast(converted, tmp_path):
   for name, array in _expected(ucp_jax.open(converted)).items():
     assert str(got[name].dtype) == "bfloat16"
     np.testing.assert_array_equal(got[name], array.astype(got[name].dtype))
-  assert json.loads((tmp_path / "hf" / "config.json").read_text()) == {"a": 1}
+  # the config's dtype says what the weights are, so from_pretrained's default loads them so
+  assert json.loads((tmp_path / "hf" / "config.json").read_text()) == {"a": 1, "dtype": "bfloat16"}
+
+
+def test_config_dtype_is_the_dtype_of_the_weights_written(tmp_path):
+  pytest.importorskip("safetensors")
+  import ml_dtypes
+
+  weights = {"w": np.ones((4, 4), ml_dtypes.bfloat16), "b": np.ones(4, ml_dtypes.bfloat16)}
+  config = {"model_type": "x", "dtype": "bfloat16", "torch_dtype": "bfloat16"}
+  ucp_jax.save(tmp_path / "bf16", {"params": weights}, schema=_torch_schema(weights))
+  ucp_jax.save(
+    tmp_path / "f32",
+    {"params": {k: v.astype(np.float32) for k, v in weights.items()}},
+    schema=_torch_schema(weights),
+  )
+  report = ucp_jax.export(tmp_path / "f32", tmp_path / "a", format="hf", config=config)
+  written = json.loads((tmp_path / "a" / "config.json").read_text())
+  assert (written["dtype"], written["torch_dtype"]) == ("float32", "float32")  # fp32 masters
+  assert any(
+    "config.json dtype float32 (the weights'; it said 'bfloat16')" in n for n in report.notes
+  )
+  ucp_jax.export(
+    tmp_path / "f32",
+    tmp_path / "b",
+    format="hf",
+    dtype="bfloat16",
+    config={"model_type": "x", "dtype": "float32"},
+  )
+  assert json.loads((tmp_path / "b" / "config.json").read_text())["dtype"] == "bfloat16"
+  report = ucp_jax.export(tmp_path / "bf16", tmp_path / "c", format="hf", config=config)
+  assert json.loads((tmp_path / "c" / "config.json").read_text())["dtype"] == "bfloat16"
+  assert not any("dtype" in n for n in report.notes)
+
+
+def _torch_schema(weights) -> dict:
+  params = {name: {"value": f"params/{name}"} for name in weights}
+  return {"version": 1, "naming": "torch", "params": params, "buffers": {}}
 
 
 def test_destinations_that_are_not_earlier_hf_exports_are_refused(converted, tmp_path):

@@ -70,8 +70,6 @@ def __getattr__(name: str):
   return value
 
 
-
-
 def __dir__() -> list[str]:
   return sorted(set(globals()) | set(_LAZY))
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 
+from ucp_jax import _moe_load
 from ucp_jax.sinks import _deepspeed
 
 
@@ -35,7 +36,10 @@ def finish_load(engine, load_dir: str | os.PathLike, tag: str | None = None) -> 
   - each param group's own hyperparameters from `zero/optimizer_state.pt`'s `param_groups`:
     the file's group with the same parameters (the model states' `param_shapes` name each
     group's), in whatever order the two list them;
-  - ZeRO-3: one step tensor per sub-group.
+  - ZeRO-3: one step tensor per sub-group;
+  - native MoE (`deepspeed.moe.layer.MoE`) at ep > 1: each rank's local experts from their
+    own global files (DeepSpeed's loader reads `...deepspeed_experts.{j}` by the *local*
+    number j, so every expert-parallel rank gets rank 0's experts).
 
   Trainable parameters in `module` are skipped (the optimizer path restores them from fp32),
   and so are empty placeholders (DeepSpeed's own ZeRO-3 model states hold no values).
@@ -55,8 +59,9 @@ def finish_load(engine, load_dir: str | os.PathLike, tag: str | None = None) -> 
 
   Raises:
     KeyError: a name in `module` that the engine's model has neither as buffer nor parameter.
-    ValueError: an engine param group whose parameters are not exactly one group's of the
-      checkpoint (the checkpoint was made with other param groups).
+    ValueError: an engine param group whose parameters are not one group's of the checkpoint,
+      or part of one (DeepSpeed puts experts in groups of their own): the checkpoint was
+      made with other param groups.
   """
   import torch
 
@@ -77,10 +82,15 @@ def finish_load(engine, load_dir: str | os.PathLike, tag: str | None = None) -> 
   saved = _matching_groups(engine, optim.get("param_groups") or [], states.get("param_shapes"))
   copied = _copy_module(engine, states["module"], f"{load_dir}/{tag}/{name}")
   for group, hyper in zip(engine.optimizer.optimizer.param_groups, saved):
-    group.update((k, v) for k, v in hyper.items() if k != "params")
+    group.update((k, v) for k, v in hyper.items() if k not in _ENGINE_KEYS)
   if zero3:
     _unshare_zero3_steps(engine.optimizer)
+  _moe_load.place_native_experts(engine, os.path.join(load_dir, tag, "zero"))
   return copied
+
+
+_ENGINE_KEYS = ("params", "moe", "name")
+"""Group keys that say how the engine built a group (its expert groups), kept as they are."""
 
 
 def _copy_module(engine, module: dict, where: str) -> list[str]:
@@ -117,14 +127,17 @@ def _matching_groups(engine, saved: list[dict], shapes) -> list[dict]:
   By position where the files do not name one group's parameters per group (DeepSpeed's
   own ZeRO-3 files list sub-groups) or the engine keeps no per-group parameter lists.
   """
-  engine_groups = _engine_groups(engine)
+  engine_groups = _moe_load.global_names(engine, _engine_groups(engine))
   per_group = isinstance(shapes, list) and len(shapes) == len(saved)
   if engine_groups is None or not per_group or not all(hasattr(s, "keys") for s in shapes):
     return saved
   files = [set(s.keys()) for s in shapes]
+  split = any(g.get("moe") for g in engine.optimizer.optimizer.param_groups)
   out, problems = [], []
   for i, names in enumerate(engine_groups):
     match = [saved[j] for j, f in enumerate(files) if f == names]
+    if not match and split:  # DeepSpeed puts experts in groups of their own, one EP rank's
+      match = [saved[j] for j, f in enumerate(files) if names and names <= f]
     out += match[:1]
     if not match:
       problems.append(f"engine group {i}: {', '.join(sorted(names))}")

@@ -12,12 +12,14 @@ Transforms:
   split(axis, sizes)        one axis -> several (a reshape: `[d, h*k] -> [d, h, k]`)
   merge(axis, sizes)        several axes -> one (the inverse of split)
   cast(dtype, source=None)  dtype on import (and back to `source` on export)
+  sub_param(axis, sizes, i) one sub-parameter of a fused array (fused again on export)
   stack(group=0, axis=0)    per-layer arrays `h.{i}.w` -> one array with a layer axis
 
 Ready rule sets, for the reference models in `ucp_jax.models`: `gpt2(...)`, `llama(...)`
-(their torch twins' names), `hf_gpt2(...)`, `hf_llama(...)` (`transformers` names: GPT-2;
-Llama, Mistral, Qwen2, Qwen3, Gemma), and `from_hf(config)`, which picks the set and builds
-the Flax model config from a `config.json`.
+(their torch twins' names), `hf_gpt2(...)`, `hf_llama(...)`, `hf_gpt_neox(...)`
+(`transformers` names: GPT-2; Llama, Mistral, Qwen2/3, Gemma 1/2/3, Phi-3, OLMo 2; GPT-NeoX),
+and `from_hf(config)`, which picks the set and builds the Flax model config from a
+`config.json`.
 
 Using them: `ucp_jax.restore(..., rules=rs)` (lazy, sharded), `load_into(model, arrays or
 checkpoint, rs)` (into a live model), `check_forward(torch_model, flax_model, rs, batch)`
@@ -34,17 +36,20 @@ import numpy as np
 
 from ucp_jax import _errors
 from ucp_jax.mapping._check import check_forward as check_forward
+from ucp_jax.mapping._hf_rulesets import for_family
 from ucp_jax.mapping._hf_rulesets import hf_gpt2 as hf_gpt2
+from ucp_jax.mapping._hf_rulesets import hf_gpt_neox as hf_gpt_neox
 from ucp_jax.mapping._hf_rulesets import hf_llama as hf_llama
 from ucp_jax.mapping._load import load_into as load_into
 from ucp_jax.mapping._mapped import MappedCheckpoint as MappedCheckpoint
 from ucp_jax.mapping._mapping import RuleSet as RuleSet
+from ucp_jax.mapping._moe_rulesets import hf_moe as hf_moe  # registers the MoE families
 from ucp_jax.mapping._rule import Rule as Rule
 from ucp_jax.mapping._rulesets import gpt2 as gpt2
 from ucp_jax.mapping._rulesets import llama as llama
-from ucp_jax.mapping._transforms import Cast, Merge, Split, Stack, Transpose
+from ucp_jax.mapping._transforms import Cast, Merge, Split, Stack, SubParam, Transpose
 from ucp_jax.mapping._transforms import Transform as Transform
-from ucp_jax.models import gpt
+from ucp_jax.models import gpt, neox
 from ucp_jax.models import llama as _llama
 from ucp_jax.models._hf import config_from_hf
 from ucp_jax.sources.hf import _source as hf_source
@@ -95,6 +100,21 @@ def cast(dtype: str | np.dtype, source: str | np.dtype | None = None) -> Transfo
   return Cast(np.dtype(dtype).name, None if source is None else np.dtype(source).name)
 
 
+def sub_param(axis: int, sizes: Sequence[int], index: int) -> Transform:
+  """Sub-parameter `index` of a fused array whose axis `axis` holds sub-parameters of
+  relative `sizes`, in order; export fuses the sub-parameters of a name back together.
+
+  Several rules may match one name when each takes a different sub-parameter of it; the
+  `sub_param` must be a rule's first transform.
+
+  Example (Phi-3's `qkv_proj`, 4 query heads and 2 key/value heads of width 8):
+    >>> from ucp_jax import rules
+    >>> rules.sub_param(0, (4, 2, 2), 1).shape((64, 32), "float32")[0]  # the keys' rows
+    (16, 32)
+  """
+  return SubParam(int(axis), tuple(int(s) for s in sizes), int(index))
+
+
 def stack(group: int = 0, *, axis: int = 0) -> Transform:
   """Stacks the layers numbered by capture group `group` along a new axis `axis`.
 
@@ -112,14 +132,15 @@ def stack(group: int = 0, *, axis: int = 0) -> Transform:
 
 def from_hf(
   config: Any, *, stacked: bool = False, prefix: str | None = None
-) -> tuple[RuleSet, gpt.GPTConfig | _llama.LlamaConfig]:
+) -> tuple[RuleSet, gpt.GPTConfig | _llama.LlamaConfig | neox.NeoXConfig]:
   """The rule set and the Flax model config for a Hugging Face model, from its `config.json`.
 
-  GPT-2 runs on `ucp_jax.models.gpt.FlaxGPT`; Llama, Mistral, Qwen2, Qwen3 and Gemma on
-  `ucp_jax.models.llama.FlaxLlama` (`ucp_jax.models.build(cfg, ...)` builds either). The
-  config sets sizes, heads, key/value heads, head width, epsilon, activation, RoPE theta and
-  scaling (`linear`, `llama3`), biases, tied embeddings and the sliding window; a config the
-  reference models would compute differently is refused, every reason listed.
+  GPT-2 runs on `ucp_jax.models.gpt.FlaxGPT`; Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2,
+  Gemma 3 (text), Phi-3 and OLMo 2 on `ucp_jax.models.llama.FlaxLlama`; GPT-NeoX on
+  `ucp_jax.models.neox.FlaxNeoX` (`ucp_jax.models.build(cfg, ...)` builds any). Every field
+  that decides the computation is read as `transformers` 5 reads it for the `model_type`
+  (docs/mapping.md lists them); a config the reference models would compute differently
+  is refused, every reason listed.
 
   Example:
     >>> from ucp_jax import rules
@@ -137,50 +158,26 @@ def from_hf(
       `ucp_jax.Checkpoint`) that recorded the config it was converted from.
     stacked: rules for a model built with `scan=True` (one array per parameter, layers
       stacked in front).
-    prefix: what precedes the base model's names (`model.`, `transformer.`, or `""`).
-      Default: read from the weight names when `config` brings them (a folder, a
+    prefix: what precedes the base model's names (`model.`, `transformer.`, `gpt_neox.`, or
+      `""`). Default: read from the weight names when `config` brings them (a folder, a
       checkpoint, a model), else from `architectures` (`...ForCausalLM` and
       `GPT2LMHeadModel`: the prefix; a bare `LlamaModel` or `GPT2Model`: none).
 
   Raises:
-    MappingError: a model type without a ready rule set, a missing size, a feature the
-      reference models do not compute, a checkpoint that recorded no config.
+    MappingError: a model type without a ready rule set, a feature the reference models do
+      not compute, a field of the wrong type, a checkpoint that recorded no config.
   """
   hf, names, where = _hf_config(config)
   cfg = config_from_hf(hf, where=where)
-  family = "gpt2" if isinstance(cfg, gpt.GPTConfig) else "llama"
-  if prefix is None:
-    prefix = _prefix(family, hf, names)
-  if family == "gpt2":
-    rs = hf_gpt2(num_heads=cfg.num_heads, tied=cfg.tie_embeddings, stacked=stacked, prefix=prefix)
-  else:
-    rs = hf_llama(
-      num_heads=cfg.num_heads,
-      num_kv_heads=cfg.num_kv_heads,
-      tied=cfg.tie_embeddings,
-      stacked=stacked,
-      prefix=prefix,
-    )
+  rs = for_family(
+    hf["model_type"],
+    cfg,
+    stacked=stacked,
+    prefix=prefix,
+    names=names,
+    architectures=hf.get("architectures"),
+  )
   return rs, cfg
-
-
-_PREFIXES = {
-  "gpt2": ("transformer.", ("wte.", "h.")),
-  "llama": ("model.", ("embed_tokens.", "layers.")),
-}
-
-
-def _prefix(family: str, hf: Mapping, names: list[str] | None) -> str:
-  full, bare = _PREFIXES[family]
-  if names:
-    if any(n.startswith(full) for n in names):
-      return full
-    if any(n.startswith(bare) for n in names):
-      return ""
-  archs = hf.get("architectures") or []
-  if archs and all(a.endswith("Model") and "For" not in a and "Head" not in a for a in archs):
-    return ""
-  return full
 
 
 def _hf_config(config: Any) -> tuple[dict, list[str] | None, str]:
@@ -251,11 +248,14 @@ __all__ = [
   "from_hf",
   "gpt2",
   "hf_gpt2",
+  "hf_gpt_neox",
   "hf_llama",
+  "hf_moe",
   "llama",
   "load_into",
   "merge",
   "split",
   "stack",
+  "sub_param",
   "transpose",
 ]

@@ -6,12 +6,19 @@ so it restores, reads and maps further like the checkpoint it wraps. Each target
 array is a TensorStore view over the stored source arrays, built only from index
 transforms and virtual stacks: indexing it with a device's slice and reading
 touches only the stored chunks under that slice.
+
+Where the source array is read directly (`reads_directly`: a checkpoint's chunk files, a
+safetensors tensor) and the rule is a rename, transpose, head split, sub-parameter or
+cast of one array, a restore reads that way too: each device's region is mapped back to
+the source's region, read by `pread`, and transposed or reshaped on the host.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +26,7 @@ import numpy as np
 import tensorstore as ts
 
 from ucp_jax.mapping import _plan
+from ucp_jax.mapping._transforms import Cast, Split, SubParam, Transpose
 from ucp_jax.store import _keypath, _reader
 from ucp_jax.store._manifest import ArrayInfo
 
@@ -68,14 +76,212 @@ class MappedCheckpoint(_reader.Checkpoint):
     return _after_all(futures, build)
 
   def files(self, key: str) -> None:
-    """None: a mapped array is read through its view, never straight from files."""
+    """None: a mapped array is read through its view or `start_read`, never by chunk files."""
     self[key]
+
+  def reads_directly(self, key: str) -> bool:
+    """Whether `start_read` reads `key`: its source is read directly, its rule maps regions."""
+    entry = self._entries[key]
+    rule = entry.rule
+    if rule.stack is not None or not all(isinstance(t, _DIRECT) for t in rule.transforms):
+      return False
+    return all(self.base.reads_directly(s) for s in self.source_keys(key))
+
+  def start_read(self, key: str, regions: list) -> tuple[list[np.ndarray], Any]:
+    """Starts reading `regions` of the target `key` (`reads_directly` keys).
+
+    Each region is cut into pieces of at most `PIECE_BYTES` of source, each mapped back to
+    its source region (`_source_region`); pieces that share their source rows read those
+    rows once (`_row_blocks`), a block or two in flight at a time, each block laid out into
+    its pieces' places in the regions' aligned buffers (transposed, reshaped) and freed:
+    host memory stays the array plus a few pieces. A plain rename of whole-row regions
+    reads straight into the buffers the devices adopt.
+    """
+    rule = self._entries[key].rule
+    (source,) = self.source_keys(key)
+    info = self.base[source]
+    shapes = [tuple(info.shape)]
+    for t in rule.transforms:
+      shapes.append(t.shape(shapes[-1], np.dtype(info.dtype))[0])
+    pieces = []  # (region number, index in its buffer, source region, layout steps)
+    for i, region in enumerate(regions):
+      pieces += _pieces(i, region, rule.transforms, shapes, np.dtype(info.dtype).itemsize)
+    reads, uses = _row_blocks([p[2] for p in pieces], shapes[0])
+    if not rule.transforms and len(reads) == len(pieces) == len(regions):
+      return self.base.start_read(source, regions)
+    dtype = np.dtype(self[key].dtype)
+    outs = [_fresh(tuple(s.stop - s.start for s in r), dtype) for r in regions]
+    users: list[list[int]] = [[] for _ in reads]
+    for n, (block, _) in enumerate(uses):
+      users[block].append(n)
+    batches = _batches(reads, np.dtype(info.dtype).itemsize)  # one call each: chunks read once
+    pending = deque(
+      self.base.start_read(source, [reads[b] for b in batches[k]])
+      for k in range(min(2, len(batches)))
+    )
+
+    def finish() -> None:
+      for k, batch in enumerate(batches):
+        hosts, wait = pending.popleft()
+        if k + 2 < len(batches):  # the next batch is read while this one is laid out
+          pending.append(self.base.start_read(source, [reads[b] for b in batches[k + 2]]))
+        wait()
+        writes = []  # TensorStore's copies: threaded, and fast through a transpose (numpy's not)
+        for host, block in zip(hosts, batch):
+          for n in users[block]:
+            i, place, _, steps = pieces[n]
+            view = ts.array(host, copy=False)[uses[n][1]].translate_to[0]
+            for step in steps:
+              view = step(view)
+            writes.append(ts.array(outs[i][place], copy=False, write=True).write(view))
+        for write in writes:
+          write.result()
+        hosts.clear()
+
+    return outs, finish
 
   def verify(self, on_array=None) -> dict[str, str]:
     return self.base.verify(on_array)
 
   def __repr__(self) -> str:
     return f"MappedCheckpoint({self.base!r}, arrays={len(self._entries)})"
+
+
+_ALIGN = 64  # XLA's CPU client adopts host buffers aligned to this many bytes
+
+
+def _fresh(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+  """An aligned buffer for the devices to adopt, from numpy rather than `_hostmem`'s pool:
+  the pool serves the read blocks, all of a few sizes, which a request of another size
+  (these vary by array) would flush."""
+  nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+  raw = np.empty(nbytes + _ALIGN, np.uint8)
+  offset = (-raw.ctypes.data) % _ALIGN
+  return raw[offset : offset + nbytes].view(dtype).reshape(shape)
+
+
+PIECE_BYTES = 32 << 20
+"""The most source bytes one piece of a region reads (a block of rows at most twice that)."""
+
+
+def _pieces(i: int, region: tuple, transforms, shapes, itemsize: int) -> list[tuple]:
+  """Region `i` cut along the axis that its source's rows follow, into pieces of at most
+  `PIECE_BYTES` of source: (i, index in the region's buffer, source region, steps)."""
+  source, steps = _source_region(transforms, shapes, region)
+  extent = [s.stop - s.start for s in source]
+  count = -(-int(np.prod(extent, dtype=np.int64)) * itemsize // PIECE_BYTES)
+  whole = tuple(slice(None) for _ in region)
+  axis = _rows_axis(region, transforms, shapes, extent) if count > 1 else None
+  if axis is None:
+    return [(i, whole, source, steps)]
+  span = region[axis]
+  cuts = np.linspace(span.start, span.stop, min(count, span.stop - span.start) + 1).astype(int)
+  out = []
+  for a, b in itertools.pairwise(cuts):
+    if b > a:
+      part = (*region[:axis], slice(int(a), int(b)), *region[axis + 1 :])
+      place = (*whole[:axis], slice(int(a - span.start), int(b - span.start)))
+      out.append((i, place, *_source_region(transforms, shapes, part)))
+  return out
+
+
+def _batches(reads: list, itemsize: int) -> list[list[int]]:
+  """The reads in consecutive batches of about `2 * PIECE_BYTES` (at least one read each)."""
+  batches: list[list[int]] = [[]]
+  size = 0
+  for b, region in enumerate(reads):
+    nbytes = int(np.prod([s.stop - s.start for s in region], dtype=np.int64)) * itemsize
+    if batches[-1] and size + nbytes > 2 * PIECE_BYTES:
+      batches.append([])
+      size = 0
+    batches[-1].append(b)
+    size += nbytes
+  return batches
+
+
+def _rows_axis(region: tuple, transforms, shapes, extent: list[int]) -> int | None:
+  """The first axis of the target region whose narrowing narrows the source's rows."""
+  for axis, s in enumerate(region):
+    if s.stop - s.start > 1:
+      one = (*region[:axis], slice(s.start, s.start + 1), *region[axis + 1 :])
+      rows = _source_region(transforms, shapes, one)[0][0]
+      if rows.stop - rows.start < extent[0]:
+        return axis
+  return None
+
+
+def _row_blocks(regions: list, shape: tuple[int, ...]) -> tuple[list, list]:
+  """The source reads for `regions` and, per region, (its read's number, its index there).
+
+  Regions of a 2-D source that share their rows and whose columns together cover every
+  column (a model axis over the columns) read those rows once, whole: one contiguous run,
+  no block read twice or staged; other regions read as they are.
+  """
+  by_rows: dict[tuple[int, int], list[int]] = {}
+  for i, region in enumerate(regions):
+    if len(shape) == 2:
+      by_rows.setdefault((region[0].start, region[0].stop), []).append(i)
+  reads: list = []
+  uses: list = [None] * len(regions)
+  for (r0, r1), members in by_rows.items():
+    columns = sorted((regions[i][1].start, regions[i][1].stop) for i in members)
+    covered = 0
+    for c0, c1 in columns:
+      covered = max(covered, c1) if c0 <= covered else covered
+    if covered < shape[1] or (len(members) == 1 and columns[0] == (0, shape[1])):
+      continue  # some columns no region asks for, or one whole-row region: read as it is
+    reads.append((slice(r0, r1), slice(0, shape[1])))
+    for i in members:
+      uses[i] = (len(reads) - 1, (slice(None), regions[i][1]))
+  for i, region in enumerate(regions):
+    if uses[i] is None:
+      reads.append(region)
+      uses[i] = (len(reads) - 1, tuple(slice(None) for _ in region))
+  return reads, uses
+
+
+_DIRECT = (Transpose, Split, SubParam, Cast)
+"""The transforms whose target regions map back to source regions (plus a host-side step)."""
+
+
+def _source_region(transforms, shapes, region) -> tuple[tuple[slice, ...], list[Callable]]:
+  """The source region a target `region` reads, and the steps (on TensorStore views, from
+  the source block's to the target block's layout) that lay it out as the target's.
+
+  `shapes[i]` is the shape before transform i. A split's region reads its outer axis's rows
+  whole in the inner axes (a head split: exactly the heads asked for), then slices.
+  """
+  steps = []
+  for i in reversed(range(len(transforms))):
+    t, before = transforms[i], shapes[i]
+    if isinstance(t, Transpose):
+      axes = t._axes(len(before))
+      back = [None] * len(axes)
+      for j, a in enumerate(axes):
+        back[a] = region[j]
+      region = tuple(back)
+      steps.append(Transpose(axes).view)
+    elif isinstance(t, Split):
+      axis, sizes = t._check(before)
+      n = len(sizes)
+      inner = int(np.prod(sizes[1:], dtype=np.int64))
+      outer = region[axis]
+      cut = tuple(slice(r.start, r.stop) for r in region[axis + 1 : axis + n])
+      region = (
+        *region[:axis],
+        slice(outer.start * inner, outer.stop * inner),
+        *region[axis + n :],
+      )
+      block = Split(axis, (outer.stop - outer.start, *sizes[1:]))
+      index = (slice(None),) * (axis + 1) + cut
+      steps.append(lambda v, block=block, index=index: block.view(v)[index].translate_to[0])
+    elif isinstance(t, SubParam):
+      axis, start, _ = t.bounds(before)
+      span = region[axis]
+      region = (*region[:axis], slice(span.start + start, span.stop + start), *region[axis + 1 :])
+    else:  # Cast
+      steps.append(t.view)
+  return region, steps[::-1]
 
 
 def _apply(store: ts.TensorStore, transforms) -> ts.TensorStore:

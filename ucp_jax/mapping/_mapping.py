@@ -20,6 +20,7 @@ from ucp_jax import _errors
 from ucp_jax.mapping import _plan
 from ucp_jax.mapping._mapped import MappedCheckpoint, info_of
 from ucp_jax.mapping._rule import Rule
+from ucp_jax.mapping._transforms import SubParam, fuse
 from ucp_jax.store import _reader
 from ucp_jax.tree import _tree
 
@@ -155,9 +156,16 @@ class RuleSet:
       shapes = {k: (v.shape, v.dtype) for k, v in current.items()}
       plan = _plan.plan_export(stage, shapes)
       out: dict[str, np.ndarray] = {}
+      parts: dict[str, tuple[SubParam, dict[int, np.ndarray]]] = {}
       for key, entries in plan.items():
         for entry in entries:
-          out.update(_backward(entry, current[key]))
+          sub = entry.rule.sub_param
+          for name, array in _backward(entry, current[key]).items():
+            if sub is None:
+              out[name] = array
+            else:  # one sub-parameter of a fused array: fused once all are in
+              parts.setdefault(name, (sub, {}))[1][sub.index] = array
+      out |= {name: fuse(pieces, sub) for name, (sub, pieces) in parts.items()}
       current = out
     return current
 

@@ -63,27 +63,27 @@ def plan_import(
       if not partial:
         problems.append(f"{name}: no rule matches")
       continue
-    if len(hits) > 1:
+    if len(hits) > 1 and not _sub_params([r for r, _ in hits]):
       problems.append(
         f"{name}: matched by {len(hits)} rules: " + "; ".join(str(r) for r, _ in hits)
       )
       continue
-    rule, match = hits[0]
-    if rule.target is None or rule.tied:
-      continue
-    key = rule.target_key(match)
-    layer = None
-    if rule.stack is not None:
-      text = match.group(rule.stack.group + 1)
-      if not text.isdigit():
-        problems.append(f"{name}: layer number {text!r} is not a number ({rule.stack})")
+    for rule, match in hits:  # one rule, or one per sub-parameter of a fused array
+      if rule.target is None or rule.tied:
         continue
-      layer = int(text)
-    other, layers = made.setdefault(key, (rule, {}))
-    if other is not rule:
-      problems.append(f"{key}: made by two rules: {other} and {rule} (from {name})")
-      continue
-    layers.setdefault(layer, []).append(name)
+      key = rule.target_key(match)
+      layer = None
+      if rule.stack is not None:
+        text = match.group(rule.stack.group + 1)
+        if not text.isdigit():
+          problems.append(f"{name}: layer number {text!r} is not a number ({rule.stack})")
+          continue
+        layer = int(text)
+      other, layers = made.setdefault(key, (rule, {}))
+      if other is not rule:
+        problems.append(f"{key}: made by two rules: {other} and {rule} (from {name})")
+        continue
+      layers.setdefault(layer, []).append(name)
   entries = {}
   for key, (rule, layers) in made.items():
     entry, problem = _entry(key, rule, layers)
@@ -98,6 +98,15 @@ def plan_import(
       entries[key] = entry
   _raise(problems, where, "cannot map these source names onto target keys")
   return entries
+
+
+def _sub_params(rules: list[Rule]) -> bool:
+  """Whether `rules` take distinct sub-parameters of one fused layout (so may share a name)."""
+  subs = [r.sub_param for r in rules]
+  if any(s is None for s in subs):
+    return False
+  layouts = {(s.axis, s.sizes) for s in subs}
+  return len(layouts) == 1 and len({s.index for s in subs}) == len(subs)
 
 
 def _entry(key: str, rule: Rule, layers: dict[int | None, list[str]]) -> tuple[Entry, str | None]:
@@ -171,7 +180,7 @@ def plan_export(
   """
   problems: list[str] = []
   out: dict[str, list[ExportEntry]] = {}
-  given: dict[str, str] = {}
+  given: dict[str, list[tuple[str, Rule]]] = {}
   for key, (shape, dtype) in shapes.items():
     hits = [(r, m) for r in rules if (m := _makes(r, key)) is not None]
     primary = [(r, m) for r, m in hits if not r.tied]
@@ -190,11 +199,21 @@ def plan_export(
         problems.append(problem)
         continue
       for name in entry.names:
-        if name in given:
-          problems.append(f"{name}: given twice, by {given[name]} and {key}")
-        given[name] = key
+        earlier = given.setdefault(name, [])
+        if earlier and not _sub_params([r for _, r in earlier] + [rule]):
+          problems.append(f"{name}: given twice, by {earlier[0][0]} and {key}")
+        earlier.append((key, rule))
       entries.append(entry)
     out[key] = entries
+  for name, makers in given.items():
+    sub = makers[0][1].sub_param
+    if sub is not None and _sub_params([r for _, r in makers]):
+      missing = sorted(set(range(len(sub.sizes))) - {r.sub_param.index for _, r in makers})
+      if missing:
+        problems.append(
+          f"{name}: sub-parameters {_ranges(missing)} of {sub.sizes} missing to fuse it "
+          f"(made from {', '.join(k for k, _ in makers)})"
+        )
   _raise(problems, where, "cannot map these target keys back onto source names")
   return out
 

@@ -16,7 +16,7 @@ import string
 from collections.abc import Sequence
 
 from ucp_jax import _errors
-from ucp_jax.mapping._transforms import Stack, Transform
+from ucp_jax.mapping._transforms import Stack, SubParam, Transform
 
 _META = set(".^$*+?{}[]|")
 
@@ -59,6 +59,9 @@ class Rule:
     stacks = [t for t in self.transforms if isinstance(t, Stack)]
     if len(stacks) > 1:
       problems.append("more than one stack(...) marker")
+    subs = [i for i, t in enumerate(self.transforms) if isinstance(t, SubParam)]
+    if subs and subs != [0]:
+      problems.append("a sub_param(...) must be the first transform, and the only one")
     fields = _fields(self.target) if self.target is not None else []
     if fields is None:
       return [*problems, "target placeholders must be capture group numbers: {0}, {1}, ..."]
@@ -81,6 +84,12 @@ class Rule:
   @property
   def stack(self) -> Stack | None:
     return next((t for t in self.transforms if isinstance(t, Stack)), None)
+
+  @property
+  def sub_param(self) -> SubParam | None:
+    """The sub-parameter this rule takes of a fused source array, if it takes one."""
+    first = self.transforms[0] if self.transforms else None
+    return first if isinstance(first, SubParam) else None
 
   @property
   def before_stack(self) -> tuple[Transform, ...]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ucp_jax.mapping._mapping import RuleSet
 from ucp_jax.mapping._rule import Rule
-from ucp_jax.mapping._transforms import Split, Stack, Transpose
+from ucp_jax.mapping._transforms import Split, Stack, SubParam, Transpose
 
 _T = Transpose()
 
@@ -22,7 +22,9 @@ def layer_rules(prefix_regex: str, prefix_key: str, table, stacked: bool) -> lis
   for name, target, transforms in table:
     source = prefix_regex + r"\.(\d+)\." + name.replace(".", r"\.")
     if stacked:  # stack first: one view of the stack is split, not every layer's view
-      stacked_transforms = [Stack(0), *(_behind_layer_axis(t) for t in transforms)]
+      subs = [t for t in transforms if isinstance(t, SubParam)]  # a sub-parameter: per layer
+      rest = [_behind_layer_axis(t) for t in transforms if not isinstance(t, SubParam)]
+      stacked_transforms = [*subs, Stack(0), *rest]
       out.append(Rule(source, f"{prefix_key}/{target}", stacked_transforms))
     else:
       out.append(Rule(source, f"{prefix_key}/{{0}}/{target}", transforms))

@@ -195,6 +195,70 @@ class Merge(Transform):
 
 
 @dataclasses.dataclass(frozen=True)
+class SubParam(Transform):
+  """Sub-parameter `index` of a fused array: axis `axis` holds sub-parameters in order, of
+  relative sizes `sizes` (Phi-3's `qkv_proj`: `(heads, kv_heads, kv_heads)`; its
+  `gate_up_proj`: `(1, 1)`), as DeepSpeed's `sub_params` pattern names them.
+
+  On import it is a slice (a view: a read touches only the slice's chunks); on export the
+  rules that take the sub-parameters of one name fuse them back, in order. It must be a
+  rule's first transform.
+  """
+
+  axis: int
+  sizes: tuple[int, ...]
+  index: int
+
+  def bounds(self, shape: Shape) -> tuple[int, int, int]:
+    """`(axis, start, stop)` of the sub-parameter in an array of `shape`."""
+    if not -len(shape) <= self.axis < len(shape):
+      raise ValueError(f"{self} needs axis {self.axis}; the array has {len(shape)}")
+    if not 0 <= self.index < len(self.sizes) or min(self.sizes, default=0) < 1:
+      raise ValueError(f"{self}: index {self.index} of {len(self.sizes)} positive sizes")
+    axis, total = self.axis % len(shape), sum(self.sizes)
+    if shape[axis] % total:
+      raise ValueError(f"{self} cannot cut axis {axis} of size {shape[axis]} in {self.sizes}")
+    unit = shape[axis] // total
+    start = unit * sum(self.sizes[: self.index])
+    return axis, start, start + unit * self.sizes[self.index]
+
+  def shape(self, shape, dtype):
+    axis, start, stop = self.bounds(shape)
+    return (*shape[:axis], stop - start, *shape[axis + 1 :]), dtype
+
+  def inverse_shape(self, shape, dtype):
+    """The whole fused array's shape, from this sub-parameter's."""
+    axis = self.axis % len(shape)
+    if not 0 <= self.index < len(self.sizes) or shape[axis] % self.sizes[self.index]:
+      raise ValueError(f"{self} does not fit axis {axis} of shape {shape}")
+    unit = shape[axis] // self.sizes[self.index]
+    return (*shape[:axis], unit * sum(self.sizes), *shape[axis + 1 :]), dtype
+
+  def view(self, store):
+    axis, start, stop = self.bounds(tuple(store.shape))
+    return store[_at(axis, slice(start, stop))].translate_to[0]
+
+  def forward(self, x):
+    axis, start, stop = self.bounds(x.shape)
+    return x[_at(axis, slice(start, stop))]
+
+  def inverse(self, x):
+    return x  # this sub-parameter only; `fuse` joins them
+
+  def chunks(self, chunks, shape):
+    axis, start, stop = self.bounds(shape)
+    return (*chunks[:axis], min(chunks[axis], stop - start), *chunks[axis + 1 :])
+
+  def __str__(self) -> str:
+    return f"sub_param({self.axis}, {self.sizes}, {self.index})"
+
+
+def fuse(parts: dict[int, np.ndarray], sub: SubParam) -> np.ndarray:
+  """The fused array from its sub-parameters `{index: array}` (every index present)."""
+  return np.concatenate([parts[i] for i in range(len(sub.sizes))], axis=sub.axis)
+
+
+@dataclasses.dataclass(frozen=True)
 class Cast(Transform):
   dtype: str
   source: str | None = None  # the dtype export casts back to; None: keep the target's

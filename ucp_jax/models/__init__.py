@@ -1,35 +1,133 @@
 """Small reference models, the same in PyTorch and Flax NNX, for cross-framework checks.
 
-`gpt` (pre-LN, tanh GELU, learned positions, tied embeddings) and `llama` (RMSNorm,
-SwiGLU, rotate-half RoPE, grouped-query attention) hold a config, the Flax NNX model
-and tensor-parallel partition specs. Their PyTorch twins live outside the package, in
-scripts/torch_twins.py; `ucp_jax.rules.gpt2` / `ucp_jax.rules.llama` map one's parameters
-onto the other's. With their options they also run Hugging Face GPT-2, Llama, Mistral,
-Qwen2, Qwen3 and Gemma checkpoints (`ucp_jax.rules.from_hf`).
+`gpt` (pre-LN, tanh GELU, learned positions, tied embeddings), `llama` (RMSNorm, SwiGLU,
+rotate-half RoPE, grouped-query attention, and the options that make it Mistral, Qwen2/3,
+Gemma 1/2/3, Phi-3 and OLMo 2) and `neox` (GPT-NeoX) hold a config, the Flax NNX model and
+the logical axes of its parameters. The PyTorch twins of `gpt` and `llama` live outside the
+package, in scripts/torch_twins.py; `ucp_jax.rules.from_hf` reads Hugging Face configs.
+
+`build(cfg, rngs=..., mesh=mesh)` builds a model whose parameters are already sharded: FSDP
+over `data`, TP over `model`, EP over `expert`, by logical-axis rules (`AXIS_RULES`) the
+caller may override; `ucp_jax.rules.load_into` then fills it, each device reading its slice.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ucp_jax.models import gpt, llama
+import jax
+from flax import nnx
+
+from ucp_jax.models import _hf_moe as _hf_moe  # registers the MoE families' configs
+from ucp_jax.models import gpt, llama, moe, neox
+from ucp_jax.models._sharding import AXIS_RULES as AXIS_RULES
+from ucp_jax.models._sharding import AxisRules
+
+Config = gpt.GPTConfig | llama.LlamaConfig | neox.NeoXConfig | moe.MoeConfig
+
+MODELS: dict[type, type] = {
+  gpt.GPTConfig: gpt.FlaxGPT,
+  llama.LlamaConfig: llama.FlaxLlama,
+  neox.NeoXConfig: neox.FlaxNeoX,
+  moe.MoeConfig: moe.FlaxMoe,
+}
+"""Config class -> Flax model class (a new family adds its pair here)."""
 
 
-def build(cfg: gpt.GPTConfig | llama.LlamaConfig, *, rngs: Any, scan: bool = False) -> Any:
-  """The Flax NNX model for `cfg`: a `gpt.FlaxGPT` or a `llama.FlaxLlama`.
+def build(
+  cfg: Config,
+  *,
+  rngs: Any = None,
+  scan: bool = False,
+  mesh: jax.sharding.Mesh | None = None,
+  axis_rules: AxisRules | None = None,
+  abstract: bool = False,
+) -> Any:
+  """The Flax NNX model for `cfg`, its parameters sharded over `mesh` when given.
+
+  With a mesh, every parameter is created on its sharding (no device holds a whole one
+  unless it is replicated): the axes of `AXIS_RULES` (FSDP over `data`, TP over `model`, EP
+  over `expert`), updated by `axis_rules`, each mesh axis used where it exists and divides
+  the dimension (fewer key/value heads than the `model` axis: they are replicated). Each
+  parameter's `PartitionSpec` is also its variable's `out_sharding` metadata (on a mesh of
+  all-Explicit or all-Auto axes), so an `nnx.Optimizer`'s moments are sharded alike and
+  `nnx.get_partition_spec` sees it. The model runs on meshes of Explicit axes
+  (`jax.make_mesh`'s default), of Auto axes, and of both.
 
   Example:
+    >>> import jax
     >>> from flax import nnx
     >>> from ucp_jax import models
-    >>> type(models.build(models.llama.LlamaConfig(num_layers=1), rngs=nnx.Rngs(0))).__name__
+    >>> cfg = models.llama.LlamaConfig(num_layers=1)
+    >>> type(models.build(cfg, rngs=nnx.Rngs(0))).__name__
     'FlaxLlama'
+    >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+    >>> model = models.build(cfg, rngs=nnx.Rngs(0), mesh=mesh)
+    >>> model.layers[0].attn.q.kernel[...].sharding.spec  # [d_model, heads, head_dim]
+    P('data', 'model')
+    >>> model.layers[0].attn.k.kernel[...].sharding.spec  # 2 kv heads: replicated over model
+    P('data',)
 
   Args:
     cfg: the model config (from `ucp_jax.rules.from_hf`, for instance).
-    rngs: the `nnx.Rngs` that initialize the parameters.
+    rngs: the `nnx.Rngs` that initialize the parameters (default `nnx.Rngs(0)`).
     scan: stack the layers into one module run by `nnx.scan` (pair with `stacked=True`
       rules).
+    mesh: shard the parameters over this mesh.
+    axis_rules: logical axis name -> mesh axis (or a tuple of them, or None), over
+      `AXIS_RULES`.
+    abstract: no values: every parameter a `jax.ShapeDtypeStruct` (on its sharding), for
+      `ucp_jax.rules.load_into` or `ucp_jax.restore` to fill without a random init.
   """
-  if isinstance(cfg, gpt.GPTConfig):
-    return gpt.FlaxGPT(cfg, rngs=rngs, scan=scan)
-  return llama.FlaxLlama(cfg, rngs=rngs, scan=scan)
+  model_class = MODELS[type(cfg)]
+  rngs = nnx.Rngs(0) if rngs is None else rngs
+
+  def make(rngs):
+    return model_class(cfg, rngs=rngs, scan=scan)
+
+  if mesh is None:
+    return nnx.eval_shape(make, rngs) if abstract else make(rngs)
+  shape_model = nnx.eval_shape(make, nnx.Rngs(0))
+  target = shardings(shape_model, mesh, axis_rules=axis_rules)
+  graphdef = nnx.graphdef(shape_model)
+  if abstract:
+    model = nnx.merge(graphdef, target)
+  else:
+    rng_graphdef, rng_state = nnx.split(rngs)
+
+    def create(rng_state):
+      rngs = nnx.merge(rng_graphdef, rng_state)
+      return nnx.state(make(rngs)), nnx.state(rngs)
+
+    out = (jax.tree.map(lambda t: t.sharding, target), None)
+    state, rng_state = jax.jit(create, out_shardings=out)(rng_state)
+    nnx.update(rngs, rng_state)
+    model = nnx.merge(graphdef, state)
+  _annotate(model, target, mesh)
+  return model
+
+
+def shardings(model: Any, mesh: jax.sharding.Mesh, *, axis_rules: AxisRules | None = None):
+  """`nnx.state(model)` as `jax.ShapeDtypeStruct`s on the shardings `build` gives: a target
+  for `ucp_jax.restore` (`model` may be abstract, from `nnx.eval_shape`)."""
+  from ucp_jax.models import _sharding
+
+  rules = _sharding.merged_rules(axis_rules)
+  layers = getattr(model, "layers_key", "layers")
+  return _sharding.target(nnx.state(model), mesh, model.logical_axes, rules, layers)
+
+
+def _annotate(model: Any, target: Any, mesh: jax.sharding.Mesh) -> None:
+  """Sets each variable's `out_sharding` (and `mesh`) metadata to its sharding, so variables
+  made from them (an `nnx.Optimizer`'s moments) are sharded alike. Flax shards only on a mesh
+  whose axes are all Explicit or all Auto: on a mixed one the metadata is left out."""
+  if not (mesh.are_all_axes_explicit or mesh.are_all_axes_auto):
+    return
+  for path, var in nnx.to_flat_state(nnx.state(model)):
+    leaf = target
+    for entry in path:
+      leaf = leaf[entry]
+    var.set_metadata(out_sharding=tuple(leaf.sharding.spec), mesh=mesh)
+
+
+__all__ = ["AXIS_RULES", "MODELS", "build", "gpt", "llama", "moe", "neox", "shardings"]

@@ -1,4 +1,4 @@
-"""Pieces the Flax reference models share: einsum projections, attention, norms, TP specs."""
+"""Pieces the Flax reference models share: projections, attention, norms, Auto-axes forward."""
 
 from __future__ import annotations
 
@@ -10,16 +10,21 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from ucp_jax import _errors
-from ucp_jax.store import _keypath
+from ucp_jax.models import _sharding
 
 ACTIVATIONS = {
   "silu": jax.nn.silu,
   "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),
   "gelu": functools.partial(jax.nn.gelu, approximate=False),
+  "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
   "relu": jax.nn.relu,
+  "relu2": lambda x: jnp.square(jax.nn.relu(x)),
+  "relu6": jax.nn.relu6,
+  "tanh": jnp.tanh,
+  "sigmoid": jax.nn.sigmoid,
 }
-"""The MLP activations a config may name (`gelu_tanh` is Hugging Face's `gelu_new` and
-`gelu_pytorch_tanh`; `gelu` is the exact, erf one)."""
+"""The MLP activations a config may name (`gelu_tanh` is Hugging Face's `gelu_new`,
+`gelu_pytorch_tanh`, `gelu_fast` and `gelu_accurate`; `gelu` is the exact, erf one)."""
 
 
 def check_activation(name: str) -> None:
@@ -69,39 +74,87 @@ def rms_norm(dim: int, eps: float, offset: float = 0.0, *, rngs: nnx.Rngs) -> nn
   return nnx.RMSNorm(dim, epsilon=eps, rngs=rngs)
 
 
+class HeadsRMSNorm(nnx.Module):
+  """RMSNorm over the last two axes together (all heads of a projection, as OLMo 2 normalizes
+  its queries and keys before splitting them into heads); the gain is `[heads, head_dim]`."""
+
+  def __init__(self, heads: int, head_dim: int, *, eps: float):
+    self.eps = eps
+    self.scale = nnx.Param(jnp.ones((heads, head_dim), jnp.float32))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=(-2, -1), keepdims=True) + self.eps)
+    return y * self.scale[...]
+
+
+NO_WINDOW = 1 << 30
+"""A per-layer window as wide as no sequence: the layer attends to every earlier step."""
+
+
 def causal_attention(
-  q: jax.Array, k: jax.Array, v: jax.Array, window: int | None = None
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  window: int | jax.Array | None = None,
+  *,
+  scale: float | None = None,
+  softcap: float | None = None,
 ) -> jax.Array:
-  """Softmax attention, `[batch, time, heads, head_dim]` in and out, each step seeing its past
-  (only its last `window` steps, itself included, when `window` is given)."""
-  scores = jnp.einsum("bqhk,bshk->bhqs", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+  """Softmax attention, `[batch, time, heads, head_dim]` in and out, each step seeing its past.
+
+  Args:
+    q: queries; `k` and `v` have as many heads (repeat grouped key/value heads first).
+    k: keys.
+    v: values.
+    window: each step sees only its last `window` steps, itself included (an int, or a
+      scalar array: a scanned layer's own window; `NO_WINDOW` for none).
+    scale: the scores' factor (default `head_dim ** -0.5`).
+    softcap: scores become `softcap * tanh(scores / softcap)` (Gemma 2).
+  """
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
+  scores = jnp.einsum("bqhk,bshk->bhqs", q, k) * jnp.asarray(scale, q.dtype)
+  if softcap is not None:
+    scores = jnp.tanh(scores / softcap) * softcap
   t = q.shape[1]
-  seen = jnp.tril(jnp.ones((t, t), bool))
+  steps = jnp.arange(t)[:, None] - jnp.arange(t)[None, :]  # query - key
+  seen = steps >= 0
   if window is not None:
-    seen &= ~jnp.tril(jnp.ones((t, t), bool), -window)
+    seen &= steps < window
   scores = jnp.where(seen, scores, -jnp.inf)
   return jnp.einsum("bhqs,bshk->bqhk", jax.nn.softmax(scores, axis=-1), v)
 
 
-def tp_target(state, mesh: jax.sharding.Mesh, table: dict[str, tuple], axis: str):
+def softcapped(logits: jax.Array, cap: float | None) -> jax.Array:
+  return logits if cap is None else jnp.tanh(logits / cap) * cap
+
+
+def on_auto_axes(forward, module, tokens: jax.Array, probe: jax.Array) -> jax.Array:
+  """`forward(module, tokens)`, with the Explicit axes of the parameters' mesh made Auto.
+
+  On a mesh of Explicit axes (`jax.make_mesh`'s default) every contraction of two sharded
+  operands needs an output sharding; the reference models leave that to XLA's propagation,
+  as on Auto axes. The logits come out sharded as `tokens` are (replicated for host arrays).
+  `probe` is any parameter: its type carries the mesh.
+  """
+  mesh = getattr(jax.typeof(probe).sharding, "mesh", None)
+  types = dict(zip(getattr(mesh, "axis_names", ()), getattr(mesh, "axis_types", ())))
+  explicit = tuple(a for a, kind in types.items() if kind == jax.sharding.AxisType.Explicit)
+  if not explicit:
+    return forward(module, tokens)
+  spec = getattr(jax.typeof(tokens).sharding, "spec", None) or P()
+  out = P(*tuple(spec), *(None,) * (tokens.ndim + 1 - len(tuple(spec))))
+  with jax.sharding.use_abstract_mesh(mesh):
+    return jax.sharding.auto_axes(forward, axes=explicit, out_sharding=out)(module, tokens)
+
+
+def tp_target(
+  state, mesh: jax.sharding.Mesh, table: dict[str, tuple], axis: str, layers: str = "layers"
+):
   """`state` as `jax.ShapeDtypeStruct`s with tensor-parallel shardings: a restore target.
 
-  A key ending in a suffix of `table` is split over mesh axis `axis` where `table`
-  says `"tp"` (a stacked layer axis in front stays whole); every other array is
-  replicated.
+  `table` gives each parameter's logical axes (`_sharding.logical_names`); heads, key/value
+  heads, MLP units and the vocabulary are split over mesh axis `axis` where it divides them,
+  everything else is replicated.
   """
-
-  def spec(key: str, ndim: int) -> P:
-    for suffix, parts in table.items():
-      if key.endswith(suffix):
-        parts = tuple(axis if p == "tp" else None for p in parts)
-        return P(*((None,) * (ndim - len(parts)) + parts))
-    return P()
-
-  def leaf(path, x):
-    names = [_keypath.entry_name(e) for e in path]
-    key = "/".join(names[:-1] if names[-1:] == ["value"] else names)
-    sharding = jax.sharding.NamedSharding(mesh, spec(key, len(x.shape)))
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-  return jax.tree_util.tree_map_with_path(leaf, state)
+  rules = {name: axis for name in _sharding.TP_RULES}
+  return _sharding.target(state, mesh, table, rules, layers)

@@ -18,6 +18,7 @@ from ucp_jax.models._common import (
   Projection,
   causal_attention,
   check_activation,
+  on_auto_axes,
   tp_target,
 )
 
@@ -124,6 +125,9 @@ class FlaxGPT(nnx.Module):
     )
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
+    return on_auto_axes(FlaxGPT._forward, self, jnp.asarray(tokens), self.wte.embedding[...])
+
+  def _forward(self, tokens: jax.Array) -> jax.Array:
     x = self.wte(tokens) + self.wpe(jnp.arange(tokens.shape[1]))[None]
     if self.scan:
 
@@ -139,19 +143,24 @@ class FlaxGPT(nnx.Module):
     return self.wte.attend(x) if self.lm_head is None else self.lm_head(x)
 
 
-TP_TABLE = {
-  "attn/qkv/kernel": (None, None, "tp", None),
-  "attn/qkv/bias": (None, "tp", None),
-  "attn/proj/kernel": ("tp", None, None),
-  "mlp/fc/kernel": (None, "tp"),
-  "mlp/fc/bias": ("tp",),
-  "mlp/proj/kernel": ("tp", None),
-  "lm_head/kernel": (None, "tp"),
+LOGICAL_AXES = {
+  "wte/embedding": ("vocab", "embed"),
+  "wpe/embedding": (None, "embed"),
+  "attn/qkv/kernel": ("embed", None, "heads", "head_dim"),
+  "attn/qkv/bias": (None, "heads", "head_dim"),
+  "attn/proj/kernel": ("heads", "head_dim", "embed"),
+  "mlp/fc/kernel": ("embed", "mlp"),
+  "mlp/fc/bias": ("mlp",),
+  "mlp/proj/kernel": ("mlp", "embed"),
+  "lm_head/kernel": ("embed", "vocab"),
 }
+"""The logical axes of `FlaxGPT`'s parameters (`ucp_jax.models._sharding`)."""
+FlaxGPT.logical_axes = LOGICAL_AXES
+FlaxGPT.layers_key = "blocks"
 
 
 def tp_state(state, mesh: jax.sharding.Mesh, *, axis: str = "model"):
   """`state` (e.g. `nnx.state(nnx.eval_shape(...))`) as a restore target, Megatron-style:
-  attention heads, the MLP's hidden units (and an untied `lm_head`'s vocabulary) split over
-  `axis`, the rest replicated."""
-  return tp_target(state, mesh, TP_TABLE, axis)
+  attention heads, the MLP's hidden units and the vocabulary split over `axis` where it
+  divides them, the rest replicated."""
+  return tp_target(state, mesh, LOGICAL_AXES, axis, "blocks")

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from ucp_jax import _errors
-from ucp_jax.sinks import _folder, _schema
+from ucp_jax.sinks import _folder, _moe_sink, _schema
 from ucp_jax.sinks._report import ExportReport
 from ucp_jax.store import _reader
 
@@ -277,10 +277,25 @@ class _Writer:
 
     fp32 = self._fp32
     entries = (self.ckpt.manifest.schema or {}).get("params") or {}
+    self.expert_names: dict[str, list[str]] = {}
+    patterns = {p.name: (entries.get(p.name) or {}).get("pattern") for p in self.plan.trainable}
+    self.groups, self.group_of = _moe_sink.deepspeed_groups(self.plan, patterns)
     for p in self.plan.trainable:
       before = self.nbytes
+      pattern = patterns[p.name]
+      names = _moe_sink.native_names(p.name, pattern, p.shape)
+      if names is not None:  # native MoE: one parameter per expert, as its engine names them
+        self.expert_names[p.name] = names
+        arrays = {"fp32": self._read(p.value)} | {s: self._read(k) for s, k in p.slots.items()}
+        for e, name in enumerate(names):
+          for slot, array in arrays.items():
+            one = tensor(self.torch, np.ascontiguousarray(array[e], np.float32))
+            self._save({"cat_dim": 0, "param": one}, name, f"{slot}.pt")
+          self._save(self.step.clone(), name, "step.pt")
+        self._done(p.name, self.nbytes - before)
+        continue
       # TP/PP/EP pattern (cat_dim, sub-params, vocabulary) for a target of another TP degree
-      meta = universal_meta((entries.get(p.name) or {}).get("pattern"), p.name)
+      meta = universal_meta(_moe_sink.expert_pattern(p.name, pattern, p.shape), p.name)
       self._save({**meta, "param": fp32(p.value)}, p.name, "fp32.pt")
       for slot, key in p.slots.items():
         self._save({**meta, "param": fp32(key)}, p.name, f"{slot}.pt")
@@ -302,7 +317,7 @@ class _Writer:
     return tensor(self.torch, self._read(key).astype(np.float32, copy=False))
 
   def write_optimizer_state(self, zero3: bool) -> None:
-    groups = self.plan.groups
+    groups = self.groups
     state: dict[str, Any] = {
       "ds_version": DS_VERSION,
       # ZeRO-1/2 and BF16: group i's hyperparameters come from param_groups[i].
@@ -323,9 +338,11 @@ class _Writer:
       if real in module:
         module[alias] = module[real]
     module.update((b.name, self.extras[b.name]) for b in plan.buffers)
-    shapes = [collections.OrderedDict() for _ in plan.groups]
+    shapes = [collections.OrderedDict() for _ in self.groups]
     for p in plan.trainable:
-      shapes[p.group][p.name] = torch.Size(p.shape)
+      for name in self.expert_names.get(p.name, [p.name]):
+        shape = p.shape[1:] if p.name in self.expert_names else p.shape
+        shapes[self.group_of[p.name]][name] = torch.Size(shape)
     frozen = collections.OrderedDict((p.name, torch.Size(p.shape)) for p in plan.frozen)
     states = {
       "module": module,

@@ -1,7 +1,8 @@
 """Hugging Face as a sink: a model folder that `from_pretrained` loads (`format="hf"`).
 
 ```
-dst/config.json                              the source's config.json, or the one passed in
+dst/config.json                              the source's config.json, or the one passed in,
+                                             its `dtype` that of the weights written
 dst/model.safetensors                        every parameter and buffer, by its torch name
   (or dst/model-00001-of-0000N.safetensors + dst/model.safetensors.index.json past the limit)
 dst/ucp_export.json                          {"written_by": "ucp_jax", "format": "hf"}
@@ -87,6 +88,9 @@ def export(
   tensors = [(p.name, p.value) for p in (*weights.params, *weights.buffers)]
   config_data = _config(ckpt, config)
   notes = _notes(ckpt, weights, config_data)
+  if config_data is not None:
+    config_data, note = _with_dtype(config_data, ckpt, [key for _, key in tensors], target)
+    notes += [note] if note else []
   shards = _shards(ckpt, tensors, shard_bytes(max_shard_size), target)
   total = sum(_nbytes(ckpt[key], target) for _, key in tensors)
   written = 0
@@ -256,6 +260,30 @@ def _read_config(path: str | os.PathLike) -> dict:
   if len(raw) > hf_source.MAX_CONFIG_BYTES:
     raise _errors.InvalidArgumentError(f"{path}: larger than {hf_source.MAX_CONFIG_BYTES} bytes")
   return hf_source.parse_config(raw, path, _errors.InvalidArgumentError)
+
+
+def _with_dtype(config: dict, ckpt, keys: list[str], target) -> tuple[dict, str | None]:
+  """`config` with `dtype` (and a legacy `torch_dtype`) naming the weights' dtype, so that
+  `from_pretrained`'s default (the config's dtype) loads them as written; a note when it
+  changed, or when the floating-point weights have several dtypes (the one of most bytes)."""
+  by_bytes: dict[str, int] = {}
+  for key in keys:
+    dtype = _cast(ckpt[key].dtype, target)
+    if _floating(dtype):
+      by_bytes[dtype.name] = by_bytes.get(dtype.name, 0) + _nbytes(ckpt[key], target)
+  if not by_bytes:
+    return config, None
+  name = max(by_bytes, key=lambda n: (by_bytes[n], n))
+  before = config.get("dtype", config.get("torch_dtype"))
+  out = {**config, "dtype": name}
+  if "torch_dtype" in config:
+    out["torch_dtype"] = name
+  notes = []
+  if before != name:
+    notes.append(f"config.json dtype {name} (the weights'; it said {before!r})")
+  if len(by_bytes) > 1:
+    notes.append(f"floating-point weights of several dtypes ({', '.join(sorted(by_bytes))})")
+  return out, "; ".join(notes) or None
 
 
 def _notes(ckpt, weights: _schema.WeightsPlan, config: dict | None) -> list[str]:

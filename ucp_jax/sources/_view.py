@@ -62,7 +62,10 @@ class SourceCheckpoint(_reader.Checkpoint):
 
   def open_future(self, key: str) -> ts.Future:
     promise, future = ts.Promise.new()
-    store = self._tensors[key].store if key in self._tensors else None
+    tensor = self._tensors.get(key)
+    store = None if tensor is None else tensor.store
+    if store is None and tensor is not None and tensor.file is not None and tensor.shape:
+      store = _file_store(tensor)  # a view's slice reads its rows, not the mapped pages around
     try:
       promise.set_result(store if store is not None else ts.array(self.array(key), copy=False))
     except Exception as e:  # raised by whoever waits on it, named by key
@@ -91,6 +94,37 @@ class SourceCheckpoint(_reader.Checkpoint):
 
   def __repr__(self) -> str:
     return f"SourceCheckpoint({str(self.location)!r}, format={self.plan.format!r})"
+
+
+_ROWS_BYTES = 4 << 20
+"""A lazy file-backed array's cells: whole rows, about this many bytes."""
+
+
+def _file_store(tensor: _source_plan.Tensor):
+  """`tensor` (one C-order run in a file) as a lazy TensorStore: each cell it reads (whole
+  rows, about `_ROWS_BYTES`) is one `pread` of exactly its bytes, from the checked file."""
+  path, offset, identity = tensor.file
+  shape, dtype = tensor.shape, np.dtype(tensor.dtype)
+  row = max(1, int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize)
+  rows = max(1, _ROWS_BYTES // row)
+
+  def read(region: tuple[slice, ...], out: np.ndarray) -> None:
+    got = np.empty((region[0].stop - region[0].start, *shape[1:]), dtype)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+      st = os.fstat(fd)
+      if identity and (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != tuple(identity):
+        raise _errors.SourceFormatError(
+          f"{path}: changed since it was opened (replaced or rewritten); open it again"
+        )
+      if hasattr(os, "posix_fadvise"):  # exactly these bytes: no readahead past them
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+      _file_reads.pread_into(fd, path, offset + region[0].start * row, got, "a tensor")
+    finally:
+      os.close(fd)
+    out[...] = got[(slice(None), *region[1:])]
+
+  return _source_plan.lazy_store(shape, dtype, (rows, *shape[1:]), read)
 
 
 def _read_through(array: np.ndarray) -> None:

@@ -66,13 +66,15 @@ def describe(path: str, *, patterns: Sequence = ()) -> Plan:
     patterns: for tensor-parallel sources, `(regex, pattern)` rules for parameters the
       checkpoint's `universal_checkpoint_info` does not describe (`_pattern_rules.classify`).
   """
-  from ucp_jax.sources.deepspeed import _tp, _zero, _zero3
+  from ucp_jax.sources.deepspeed import _moe, _tp, _zero, _zero3
 
   kind, folder = detect(path)
   with _common.reading(os.fspath(path)):  # no link out of the checkpoint folder is followed
     if kind == "deepspeed_universal":
       plan = _universal.plan(folder)
-    elif _tp.is_model_parallel(folder):  # TP/PP/EP ranks: merged by pattern
+    elif _moe.is_moe(folder):  # experts: stacked per layer, with their optimizer state
+      plan = _moe.plan(folder)
+    elif _tp.is_model_parallel(folder):  # TP/PP ranks: merged by pattern
       plan = _tp.plan(folder, rules=patterns)
     else:
       files = _common.list_tag(folder)

@@ -22,7 +22,7 @@ from ucp_jax.sources import _files
 from ucp_jax.sources._source_plan import Param, Pieces, Plan, Tensor
 from ucp_jax.sources.deepspeed import _common as common
 from ucp_jax.sources.deepspeed import _contract as contract
-from ucp_jax.sources.deepspeed import _zero, _zero3
+from ucp_jax.sources.deepspeed import _moe, _zero, _zero3
 from ucp_jax.sources.torch._torch_file import is_tensor
 from ucp_jax.store import _untrusted
 
@@ -101,7 +101,12 @@ def plan(folder: str) -> Plan:
   for g, found in steps.items():
     problems += common.same_everywhere(found, f"group {g}'s optimizer step")
   common.fail(f"{folder}: unreadable parameter files", problems)
-  tied, buffers, leftovers = common.model_extras(model, model_path, {p.name for p in params})
+  params = _moe.stack_universal(params, groups, problems)
+  common.fail(f"{folder}: unreadable expert parameter files", problems)
+  optimized = {p.name for p in params}
+  tied, buffers, leftovers = common.model_extras(model, model_path, optimized)
+  aliases, leftovers = _moe.module_aliases(model, leftovers, optimized)
+  tied += aliases
   if stage == 3:
     params += _zero3.frozen_params(models, model_paths, model["dp_world_size"])
   else:
@@ -150,6 +155,10 @@ def _param(folder, name, shape, group, stage, problems):
   if "fp32.pt" not in files:
     problems.append(f"{os.path.join(where, 'fp32.pt')} is missing")
     return None, None
+  known = len(problems)
+  shape, pattern = _expert_shape(os.path.join(where, "fp32.pt"), shape, problems)
+  if len(problems) > known:
+    return None, None
   step = None
   if stage != 3:
     if "step.pt" not in files:
@@ -174,7 +183,32 @@ def _param(folder, name, shape, group, stage, problems):
   if len(tensors) != len([f for f in files if f.endswith(".pt") and f != "step.pt"]):
     return None, None
   value = tensors.pop("fp32")
-  return Param(name, value, dict(sorted(tensors.items())), group=group), step
+  shard = None if pattern is None else (1, *shape[1:])
+  slots = dict(sorted(tensors.items()))
+  return Param(name, value, slots, group=group, pattern=pattern, shard_shape=shard), step
+
+
+def _expert_shape(path: str, shape: tuple[int, ...], problems: list[str]):
+  """An AutoEP expert weight (`is_expert_param`, `ep_num_experts` beside `param`): all its
+  experts are in the file, `param_shapes` gives one rank's; (shape, pattern) else (shape, None)."""
+  try:
+    data = common.load(path)
+  except SourceFormatError as e:
+    problems.append(str(e))
+    return shape, None
+  if not isinstance(data, dict) or data.get("is_expert_param") is not True or not shape:
+    return shape, None
+  n = data.get("ep_num_experts")
+  if type(n) is not int or not 0 < n <= contract.MAX_RANKS * max(1, shape[0]) or n % shape[0]:
+    problems.append(f"{path}: ep_num_experts {n!r:.40} for {shape[0]} local experts")
+    return shape, None
+  pattern = {
+    "kind": "expert",
+    "cat_dim": 0,
+    "num_experts": n,
+    "experts": {"layout": "autoep", "names": os.path.basename(os.path.dirname(path)) + ".{e}"},
+  }
+  return (n, *shape[1:]), pattern
 
 
 def _tensor(path: str, stage: int) -> np.ndarray:

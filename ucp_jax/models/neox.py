@@ -1,0 +1,182 @@
+"""GPT-NeoX in Flax NNX (Pythia, GPT-NeoX-20B): LayerNorms, one fused query/key/value
+projection per head, partial rotary embeddings, a parallel (or sequential) residual.
+
+`ucp_jax.rules.from_hf` reads a Hugging Face `gpt_neox` config into a `NeoXConfig`;
+`ucp_jax.rules.hf_gpt_neox` maps the `transformers` names: `query_key_value` holds each
+head's query, key and value side by side (`[heads, 3, head_dim]` outputs), which is the
+Flax kernel's `[d_model, heads, 3, head_dim]` layout after a transpose.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ucp_jax.models import _rope
+from ucp_jax.models._common import (
+  ACTIVATIONS,
+  Projection,
+  causal_attention,
+  check_activation,
+  on_auto_axes,
+  tp_target,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class NeoXConfig:
+  """The sizes and options of a `FlaxNeoX`.
+
+  Attributes:
+    hidden: the MLP's width.
+    eps: the LayerNorms' epsilon.
+    act: the MLP's activation, a key of `ucp_jax.models._common.ACTIVATIONS`.
+    rope_scaling: as `LlamaConfig.rope_scaling` (`ucp_jax.models._rope`).
+    partial_rotary: the fraction of each head RoPE rotates (`rotary_pct`).
+    parallel_residual: `x + attn(ln1(x)) + mlp(ln2(x))`; else the two in sequence.
+    attention_bias: biases on the fused query/key/value and output projections.
+    tie_embeddings: the output layer is `embed`, not an `lm_head`.
+  """
+
+  vocab_size: int = 256
+  num_layers: int = 2
+  num_heads: int = 4
+  d_model: int = 64
+  hidden: int = 256
+  eps: float = 1e-5
+  act: str = "gelu"
+  rope_theta: float = 10000.0
+  rope_scaling: Any = None
+  partial_rotary: float = 0.25
+  parallel_residual: bool = True
+  attention_bias: bool = True
+  tie_embeddings: bool = False
+
+  def __post_init__(self):
+    check_activation(self.act)
+    object.__setattr__(self, "rope_scaling", _rope.frozen(self.rope_scaling))
+    _rope.check(self.rope_scaling, self.rot_dim)
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.num_heads
+
+  @property
+  def rot_dim(self) -> int:
+    return int(self.head_dim * self.partial_rotary)
+
+
+class Attention(nnx.Module):
+  def __init__(self, cfg: NeoXConfig, *, rngs: nnx.Rngs):
+    d, h, k = cfg.d_model, cfg.num_heads, cfg.head_dim
+    bias = cfg.attention_bias
+    self.qkv = Projection("btd,dhsk->bthsk", (d, h, 3, k), (h, 3, k) if bias else None, rngs=rngs)
+    self.o = Projection("bthk,hkd->btd", (h, k, d), (d,) if bias else None, rngs=rngs)
+
+  def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    qkv = self.qkv(x)
+    q, k = _rope.apply(qkv[:, :, :, 0], cos, sin), _rope.apply(qkv[:, :, :, 1], cos, sin)
+    return self.o(causal_attention(q, k, qkv[:, :, :, 2]))
+
+
+class MLP(nnx.Module):
+  def __init__(self, cfg: NeoXConfig, *, rngs: nnx.Rngs):
+    self.act = cfg.act
+    self.up = nnx.Linear(cfg.d_model, cfg.hidden, rngs=rngs)
+    self.down = nnx.Linear(cfg.hidden, cfg.d_model, rngs=rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return self.down(ACTIVATIONS[self.act](self.up(x)))
+
+
+class Layer(nnx.Module):
+  def __init__(self, cfg: NeoXConfig, *, rngs: nnx.Rngs):
+    self.parallel = cfg.parallel_residual
+    self.attn_norm = nnx.LayerNorm(cfg.d_model, epsilon=cfg.eps, rngs=rngs)
+    self.attn = Attention(cfg, rngs=rngs)
+    self.mlp_norm = nnx.LayerNorm(cfg.d_model, epsilon=cfg.eps, rngs=rngs)
+    self.mlp = MLP(cfg, rngs=rngs)
+
+  def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    h = self.attn(self.attn_norm(x), cos, sin)
+    if self.parallel:
+      return x + h + self.mlp(self.mlp_norm(x))
+    x = x + h
+    return x + self.mlp(self.mlp_norm(x))
+
+
+class FlaxNeoX(nnx.Module):
+  """Token ids `[batch, time]` -> logits `[batch, time, vocab]`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from ucp_jax.models.neox import FlaxNeoX, NeoXConfig
+    >>> FlaxNeoX(NeoXConfig(num_layers=1), rngs=nnx.Rngs(0))(jnp.zeros((2, 5), jnp.int32)).shape
+    (2, 5, 256)
+  """
+
+  def __init__(self, cfg: NeoXConfig, *, rngs: nnx.Rngs, scan: bool = False):
+    self.scan = scan
+    self.cfg = cfg
+    self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs)
+    if scan:
+
+      @nnx.split_rngs(splits=cfg.num_layers)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def make(rngs):
+        return Layer(cfg, rngs=rngs)
+
+      self.layers = make(rngs)
+    else:
+      self.layers = nnx.List([Layer(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.norm = nnx.LayerNorm(cfg.d_model, epsilon=cfg.eps, rngs=rngs)
+    self.lm_head = (
+      None
+      if cfg.tie_embeddings
+      else nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, rngs=rngs)
+    )
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    return on_auto_axes(FlaxNeoX._forward, self, jnp.asarray(tokens), self.embed.embedding[...])
+
+  def _forward(self, tokens: jax.Array) -> jax.Array:
+    cfg = self.cfg
+    cos, sin = _rope.tables(tokens.shape[1], cfg.rot_dim, cfg.rope_theta, cfg.rope_scaling)
+    x = self.embed(tokens)
+    if self.scan:
+
+      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+      def run(x, layer):
+        return layer(x, cos, sin)
+
+      x = run(x, self.layers)
+    else:
+      for layer in self.layers:
+        x = layer(x, cos, sin)
+    x = self.norm(x)
+    return self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
+
+
+LOGICAL_AXES = {
+  "embed/embedding": ("vocab", "embed"),
+  "attn/qkv/kernel": ("embed", "heads", None, "head_dim"),
+  "attn/qkv/bias": ("heads", None, "head_dim"),
+  "attn/o/kernel": ("heads", "head_dim", "embed"),
+  "mlp/up/kernel": ("embed", "mlp"),
+  "mlp/up/bias": ("mlp",),
+  "mlp/down/kernel": ("mlp", "embed"),
+  "lm_head/kernel": ("embed", "vocab"),
+}
+"""The logical axes of `FlaxNeoX`'s parameters (`ucp_jax.models._sharding`)."""
+FlaxNeoX.logical_axes = LOGICAL_AXES
+FlaxNeoX.layers_key = "layers"
+
+
+def tp_state(state, mesh: jax.sharding.Mesh, *, axis: str = "model"):
+  """`state` as a restore target: heads, MLP units and the vocabulary over `axis`."""
+  return tp_target(state, mesh, LOGICAL_AXES, axis)
