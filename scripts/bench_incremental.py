@@ -2,10 +2,14 @@
 """Incremental saves of a LoRA-like training state: ten steps, side by side.
 
 The state, on 8 CPU devices: a frozen base of 64 float32 matrices of 2048 x 2048 (1 GiB,
-rows sharded over the devices) and LoRA adapters of rank 16 on each (A 2048 x 16, B 16 x
-2048: 16 MiB) trained with optax.adam (mu and nu: 32 MiB more, and a count). Each step
-updates the adapters and Adam's state with a jitted step that takes the frozen base as an
-input and does not return it (so it stays the same jax.Array objects), then saves.
+rows sharded over the devices) with LoRA adapters of rank 16 on each (A 2048 x 16, B 16 x
+2048: 16 MiB, replicated) trained with optax.adam (mu and nu: 32 MiB more, and a count).
+`--layout stacked` (the default) stacks the layers of each of 4 projections into one array
+(as MaxText and `nnx.scan` models hold them: 4 frozen arrays, 25 arrays in all);
+`--layout per-layer` keeps one array per matrix (as an unscanned Flax model: 449 arrays).
+Each step updates the adapters and Adam's state with a jitted step that takes the frozen
+base as an input and does not return it (so it stays the same jax.Array objects), then
+saves.
 
 Contenders, each writing ten steps into a fresh folder, durable:
   incremental   ucp_jax.save(STEP, state, base=STEP-1): the frozen base's files linked
@@ -50,9 +54,14 @@ CONTENDERS = ("incremental", "full", "orbax", "adapters")
 STEPS = 10
 
 
-def build(layers: int, side: int, rank: int, sharded_adapters: bool = False):
-  """(frozen, adapters, optimizer, its state, the jitted step) of the LoRA-like state: the
-  adapters replicated on every device (data parallel), or sharded like the base."""
+def build(layers: int, side: int, rank: int, layout: str = "stacked"):
+  """(frozen, adapters, optimizer state, the jitted step) of the LoRA-like state.
+
+  `layout`: "stacked" holds each projection's layers in one array ([L, side, side], as
+  MaxText and `nnx.scan` models do; 4 projections), "per-layer" one array per matrix (as
+  an unscanned Flax model does: `layers` matrices, and 6 adapter and Adam arrays each).
+  Frozen weights are sharded by rows over the 8 devices, adapters replicated (data parallel).
+  """
   import jax
   import jax.numpy as jnp
   import optax
@@ -60,18 +69,21 @@ def build(layers: int, side: int, rank: int, sharded_adapters: bool = False):
   from jax.sharding import PartitionSpec as P
 
   mesh = jax.make_mesh((8,), ("d",))
-  rows, cols = NamedSharding(mesh, P("d", None)), NamedSharding(mesh, P(None, "d"))
-  frozen_rows = rows
-  if not sharded_adapters:
-    rows = cols = NamedSharding(mesh, P())
+  replicated = NamedSharding(mesh, P())
   key = jax.random.key(0)
   frozen, adapters = {}, {}
-  for i in range(layers):
+  if layout == "stacked":
+    shapes = {f"proj{p}": (layers // 4,) for p in range(4)}
+    rows = NamedSharding(mesh, P(None, "d", None))
+  else:
+    shapes = {f"layer{i}": () for i in range(layers)}
+    rows = NamedSharding(mesh, P("d", None))
+  for name, lead in shapes.items():
     k1, k2, key = jax.random.split(key, 3)
-    frozen[f"layer{i}"] = jax.device_put(jax.random.normal(k1, (side, side)) * 0.02, frozen_rows)
-    adapters[f"layer{i}"] = {
-      "a": jax.device_put(jax.random.normal(k2, (side, rank)) * 0.01, rows),
-      "b": jax.device_put(jnp.zeros((rank, side)), cols),
+    frozen[name] = jax.device_put(jax.random.normal(k1, (*lead, side, side)) * 0.02, rows)
+    adapters[name] = {
+      "a": jax.device_put(jax.random.normal(k2, (*lead, side, rank)) * 0.01, replicated),
+      "b": jax.device_put(jnp.zeros((*lead, rank, side)), replicated),
     }
   optimizer = optax.adam(1e-3)
   opt_state = optimizer.init(adapters)
@@ -201,6 +213,7 @@ def main() -> int:
   parser.add_argument("--layers", type=int, default=64)
   parser.add_argument("--side", type=int, default=2048)
   parser.add_argument("--rank", type=int, default=16)
+  parser.add_argument("--layout", choices=("stacked", "per-layer"), default="stacked")
   parser.add_argument("--only", default=",".join(CONTENDERS))
   parser.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
   parser.add_argument("--json", default=None)
@@ -210,12 +223,14 @@ def main() -> int:
   import jax.numpy as jnp
 
   contenders = [c for c in args.only.split(",") if c]
-  frozen, adapters0, opt0, step = build(args.layers, args.side, args.rank)
+  frozen, adapters0, opt0, step = build(args.layers, args.side, args.rank, args.layout)
   x = jnp.ones((8, args.side))
   base_bytes, adapter_bytes = nbytes(frozen), nbytes(adapters0)
+  arrays = len(jax.tree.leaves((frozen, adapters0, opt0)))
   print(
-    f"frozen base {base_bytes / bu.MiB:.0f} MiB, adapters {adapter_bytes / bu.MiB:.0f} MiB "
-    f"(+ Adam {nbytes(opt0) / bu.MiB:.0f} MiB), {len(jax.devices())} devices",
+    f"{args.layout}: frozen base {base_bytes / bu.MiB:.0f} MiB, adapters "
+    f"{adapter_bytes / bu.MiB:.0f} MiB (+ Adam {nbytes(opt0) / bu.MiB:.0f} MiB), {arrays} "
+    f"arrays, {len(jax.devices())} devices",
     flush=True,
   )
   jax.block_until_ready(step(frozen, adapters0, opt0, x))  # compiled before any timing

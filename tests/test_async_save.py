@@ -522,12 +522,12 @@ def test_shards_copied_through_pinned_host_memory_save_the_state_of_the_call(
 ):
   # GPUs copy shards to pinned host memory (as Orbax does); CPU devices have that memory kind
   # too, so the same path runs here when the platform is let in.
-  from ucp_jax.store import _writer
+  from ucp_jax.store import _shards
 
-  monkeypatch.setattr(_writer, "PINNED_PLATFORMS", ("cpu",))
+  monkeypatch.setattr(_shards, "PINNED_PLATFORMS", ("cpu",))
   copies = []
-  start = _writer.start_host_copy
-  monkeypatch.setattr(_writer, "start_host_copy", lambda d: copies.append(start(d)) or copies[-1])
+  start = _shards.start_host_copy
+  monkeypatch.setattr(_shards, "start_host_copy", lambda d: copies.append(start(d)) or copies[-1])
   state = _state(devices)
   before = _host(_state(devices))
   if asynchronous:
@@ -538,7 +538,7 @@ def test_shards_copied_through_pinned_host_memory_save_the_state_of_the_call(
     handle.result()
   else:
     ucp_jax.save(tmp_path / "ckpt", state, bundle_bytes=None)
-  assert copies and all(isinstance(c, _writer.PinnedCopy) for c in copies)
+  assert copies and all(isinstance(c, _shards.PinnedCopy) for c in copies)
   assert {c.array.sharding.memory_kind for c in copies} == {"pinned_host"}
   _assert_tree_equal(ucp_jax.restore(tmp_path / "ckpt"), before)
   assert not ucp_jax.open(tmp_path / "ckpt").verify()

@@ -112,6 +112,17 @@ def _set_entry(**fields):
   return _edited(lambda data: data["arrays"]["a"].update(fields))
 
 
+def _pooled_at(up: str):
+  def edit(data):
+    data.update(format_version=4, pool=up + ".ucp-pool/")
+    for entry in data["arrays"].values():
+      entry["at"] = "g0000000000000000/"
+
+  return edit
+
+
+_pooled = _pooled_at("../")
+
 MANIFEST = "ckpt/manifest.json"
 CHUNK = "ckpt/a/c/0/0"
 READS_CHUNKS = {"inspect": "ok"}  # listing needs the manifest only
@@ -220,6 +231,11 @@ CASES = [
     "chunk linked to /dev/zero", _replaced("a/c/0/0", "dev zero"), CHUNK, expect=READS_CHUNKS
   ),
   hr.Case("chunk linked inside", _replaced("a/c/0/0", "link in"), default="ok"),
+  # references: a local checkpoint holds its files (links made by incremental saves)
+  hr.Case("a pool in a local manifest", _edited(_pooled), MANIFEST, pattern="object stores"),
+  hr.Case("a pool far up", _edited(_pooled_at("../" * 9)), MANIFEST, pattern="8 ancestors"),
+  hr.Case("a bad token", _set(token="../x"), MANIFEST, pattern="token"),
+  hr.Case("short chunk hashes", _set_entry(chunk_sha256="AAAA"), MANIFEST, pattern="hashes"),
 ]
 
 
@@ -261,7 +277,9 @@ def test_a_save_refuses_metadata_no_reader_would_take_back(tmp_path):
   deep: list = []
   for _ in range(200):
     deep = [deep]
-  with pytest.raises(ucp_jax.InvalidArgumentError, match="nested 202 levels deep, more than the 127 allowed"):
+  with pytest.raises(
+    ucp_jax.InvalidArgumentError, match="nested 202 levels deep, more than the 127 allowed"
+  ):
     ucp_jax.save(tmp_path / "bad", {"a": A}, metadata={"x": deep})
   assert not (tmp_path / "bad").exists()
   deep_tree: dict = {"a": A}

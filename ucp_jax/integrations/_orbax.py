@@ -6,11 +6,17 @@ checkpoint at `STEP/ITEM`, which `ucp_jax.open` and `ucp_jax.restore` read
 directly. An async save copies the state to host memory in `async_save` and
 returns a future that writes and commits it in Orbax's background thread, after
 Orbax has created the step directory.
+
+Saves are incremental by default: the item of the manager's latest step is the base
+(`ucp_jax.save(..., base=...)`), so arrays unchanged since then are not written again,
+and every step stays complete on its own (deleting older steps, as `max_to_keep` does,
+never breaks a newer one). `UcpSave(..., incremental=False)` writes every array.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import orbax.checkpoint as ocp
@@ -18,8 +24,8 @@ from etils import epath
 from orbax.checkpoint import future as ocp_future
 
 from ucp_jax import _errors
-from ucp_jax.store import _bundle, _manifest, _reader, _zarr
-from ucp_jax.tree import _async, _restore, _save
+from ucp_jax.store import _bundle, _location, _manifest, _reader, _zarr
+from ucp_jax.tree import _async, _restore, _save, _unchanged
 
 
 class UcpCheckpointHandler(ocp.AsyncCheckpointHandler):
@@ -48,6 +54,9 @@ class UcpCheckpointHandler(ocp.AsyncCheckpointHandler):
       compression=args.compression,
       max_host_bytes=args.max_host_bytes,
       durable=args.durable,
+      base=latest_item(directory) if _incremental(directory, args) else None,
+      unchanged=args.unchanged,
+      pool_levels=_POOL_LEVELS if _incremental(directory, args) else 0,
       step=args.step,
       metadata=args.metadata,
       chunk_bytes=args.chunk_bytes,
@@ -65,7 +74,7 @@ class UcpCheckpointHandler(ocp.AsyncCheckpointHandler):
   def save(self, directory: epath.Path, args: UcpSave) -> None:
     """Saves synchronously (used by Orbax when the handler is not run asynchronously)."""
     _check_fresh(directory)
-    _save.save(
+    _save.run(
       str(directory),
       args.item,
       step=args.step,
@@ -75,6 +84,11 @@ class UcpCheckpointHandler(ocp.AsyncCheckpointHandler):
       chunk_bytes=args.chunk_bytes,
       bundle_bytes=args.bundle_bytes,
       durable=args.durable,
+      base=latest_item(directory) if _incremental(directory, args) else None,
+      unchanged=args.unchanged,
+      pool_levels=_POOL_LEVELS if _incremental(directory, args) else 0,
+      schema=None,
+      source=None,
     )
 
   def restore(self, directory: epath.Path, args: UcpRestore | None = None) -> Any:
@@ -107,10 +121,45 @@ def _check_fresh(directory: epath.Path) -> None:
     )
 
 
+_POOL_LEVELS = 2  # on object stores, the pool of STEP/ITEM is the manager's folder's
+_TMP = re.compile(r"\.orbax-checkpoint-tmp.*$")  # the suffix of a step Orbax has not finalized
+
+
+def _incremental(directory: epath.Path, args: UcpSave) -> bool:
+  """Whether this save may take arrays from an earlier step: as asked, except on an object
+  store where Orbax moves the step into place after the save (S3: a copy), which would
+  leave the pool's references naming a path that no longer holds the step."""
+  local = _location.resolve(str(directory)).local_dir is not None
+  return args.incremental and (local or not _TMP.search(str(directory)))
+
+
+def latest_item(directory: epath.Path) -> str | None:
+  """The same item in the manager's latest finalized step other than this one (its highest
+  step number), when that holds a ucp_jax checkpoint: the base of an incremental save."""
+  path = epath.Path(directory)
+  item, step_dir = _TMP.sub("", path.name), path.parent
+  named = re.fullmatch(r"(.*?)(\d+)", _TMP.sub("", step_dir.name))
+  if named is None or not step_dir.parent.exists():
+    return None
+  prefix, current = named.group(1), int(named.group(2))
+  steps = []
+  for child in step_dir.parent.iterdir():
+    match = re.fullmatch(re.escape(prefix) + r"(\d+)", child.name)
+    if match and int(match.group(1)) != current:
+      steps.append((int(match.group(1)), child / item))
+  for _, candidate in sorted(steps, reverse=True):
+    if (candidate / _manifest.MANIFEST_KEY).exists():
+      return str(candidate)
+  return None
+
+
 @ocp.args.register_with_handler(UcpCheckpointHandler, for_save=True)
 @dataclasses.dataclass
 class UcpSave(ocp.args.CheckpointArgs):
   """Orbax save args: `item` (the state) and the options of `ucp_jax.save`.
+
+  `incremental` (default True) takes the manager's latest step as the base of the save
+  (`ucp_jax.save(..., base=...)`); `unchanged` says how unchanged arrays are known.
 
   Example:
     >>> import jax.numpy as jnp
@@ -128,6 +177,8 @@ class UcpSave(ocp.args.CheckpointArgs):
   chunk_bytes: int = _zarr.CHUNK_BYTES
   bundle_bytes: int | None = _bundle.BUNDLE_BYTES
   durable: bool = True
+  incremental: bool = True
+  unchanged: _unchanged.Unchanged = "identity"
 
 
 @ocp.args.register_with_handler(UcpCheckpointHandler, for_restore=True)

@@ -196,6 +196,20 @@ class Lock:
         os.close(fd)  # even on an interrupt: a flock left held would turn this process away
 
 
+def lock_token(target: _location.Location) -> str | None:
+  """The token of the save that holds the lock object of the object-store checkpoint
+  `target` (None when nobody does, or the lock does not say)."""
+  result = _location.kvstore(target).read(_LOCK_KEY).result()
+  if result.state != "value":
+    return None
+  try:
+    holder = json.loads(result.value.decode(errors="replace"))
+  except ValueError:
+    return None
+  token = holder.get("token") if isinstance(holder, dict) else None
+  return token if isinstance(token, str) else None
+
+
 def remove_stale_staging(target: _location.Location) -> None:
   """Cleans up after saves to `target` that died (the caller holds the lock).
 

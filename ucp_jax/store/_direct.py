@@ -52,6 +52,20 @@ def submit(fn, *args) -> concurrent.futures.Future:
   return _POOL.submit(fn, *args)
 
 
+def submit_or_run(fn, *args) -> concurrent.futures.Future:
+  """`submit`, or, once the interpreter is shutting down (the pool takes no more work), runs
+  `fn(*args)` here and returns its outcome as a future."""
+  try:
+    return _POOL.submit(fn, *args)
+  except RuntimeError:
+    done: concurrent.futures.Future = concurrent.futures.Future()
+    try:
+      done.set_result(fn(*args))
+    except Exception as e:
+      done.set_exception(e)
+    return done
+
+
 def chunk_path(array_dir: str, index: tuple[int, ...]) -> str:
   """The file of chunk `index` under zarr v3's default chunk key encoding."""
   return os.path.join(array_dir, "c", *map(str, index))
@@ -75,7 +89,8 @@ def write_region(
 ) -> list[concurrent.futures.Future]:
   """Starts writing `data` (the array's `region`, chunk-aligned) as chunk or bundle files.
 
-  `record(index, crc)` is called with each chunk's checksum once it is written;
+  `record(index, crc, raw)` is called with each chunk's checksum (and its raw bytes, for
+  a hash) once it is written;
   with `durable`, each file is fsynced once its last chunk is written. The chunks of
   a bundle (`_bundle`) are written in groups of about `_GROUP_BYTES`, in parallel, each
   at its own offset, and the index last.
@@ -117,7 +132,7 @@ def _encode(block: np.ndarray, chunks) -> tuple[memoryview, int]:
 def _write_chunk(path: str, index, block: np.ndarray, chunks, record, durable: bool) -> None:
   raw, crc = _encode(block, chunks)
   try:
-    _makedirs(os.path.dirname(path))
+    makedirs(os.path.dirname(path))
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     try:
       _write_all(fd, [raw, struct.pack("<I", crc)])
@@ -127,7 +142,7 @@ def _write_chunk(path: str, index, block: np.ndarray, chunks, record, durable: b
       os.close(fd)
   except OSError as e:
     raise OSError(e.errno, e.strerror, e.filename or path) from e
-  record(index, crc)
+  record(index, crc, raw)
 
 
 def _write_bundled(target: _BundleFile, group: list, chunks, record) -> None:
@@ -149,8 +164,8 @@ def _write_bundled(target: _BundleFile, group: list, chunks, record) -> None:
       target.done()
   except OSError as e:
     raise OSError(e.errno, e.strerror, e.filename or target.path) from e
-  for _, index, _, crc in encoded:
-    record(index, crc)
+  for _, index, raw, crc in encoded:
+    record(index, crc, raw)
 
 
 class _BundleFile:
@@ -167,7 +182,7 @@ class _BundleFile:
   def fd(self) -> int:
     with self._lock:
       if self._fd is None:
-        _makedirs(os.path.dirname(self.path))
+        makedirs(os.path.dirname(self.path))
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
       return self._fd
 
@@ -215,7 +230,7 @@ def _read_all(f, buffer: memoryview) -> int:
   return got
 
 
-def _makedirs(path: str) -> None:
+def makedirs(path: str) -> None:
   if path in _made_dirs:
     return
   os.makedirs(path, exist_ok=True)

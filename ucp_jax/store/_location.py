@@ -91,6 +91,23 @@ class Location:
       io_dir=self.io_dir and os.path.join(self.io_dir, prefix),
     )
 
+  def ancestor(self, levels: int) -> Location | None:
+    """The location `levels` folders above this one on a kvstore (None above its root, and
+    for local directories, which have no use for it)."""
+    if self.local_dir is not None:
+      return None
+    spec = self.kvstore_spec()
+    lead = "/" if spec.get("path", "").startswith("/") else ""
+    parts = [p for p in spec.get("path", "").split("/") if p]
+    if len(parts) < levels:
+      return None
+    path = lead + "/".join(parts[: len(parts) - levels])
+    spec["path"] = path.rstrip("/") + "/" if path else ""
+    if self.spec is not None:
+      return _spec_location(spec)
+    url = ts.KvStore.Spec({k: v for k, v in spec.items() if k != "context"}).url
+    return Location(url if url.endswith("/") else url + "/")
+
   def io_path(self, key: str) -> str:
     """The local path that reads of `key` use (local roots only)."""
     return os.path.join(self.io_dir or self.local_dir, key)
@@ -304,7 +321,9 @@ def read_small(
     path, shown = location.io_path(key), os.path.join(location.local_dir, key)
     try:
       with _untrusted.open_regular(path, error) as f:
-        data = f.read(limit + 1)
+        # as much as the file holds (one byte more tells a file larger than the limit): a
+        # read of `limit` bytes would map that much memory first
+        data = f.read(min(os.fstat(f.fileno()).st_size, limit) + 1)
     except (FileNotFoundError, NotADirectoryError):
       return None
     except error as e:

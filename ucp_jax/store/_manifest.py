@@ -4,7 +4,11 @@ Since format version 2 it carries a sha256 of its own content (`checksum`), the
 crc32c of every chunk by position (`chunk_crc32c` per array, see `_chunks`), and,
 on object stores, the prefix below the root where this save's arrays live (`data`).
 Since version 3 an array's chunks may be bundled into fewer files (`bundle`, see
-`_bundle`). Version 1 and 2 checkpoints are still read.
+`_bundle`), and a save may record its token, whether it was durable, and the sha256 of
+every chunk (`chunk_sha256`) for the incremental saves that compare with it (`_reuse`).
+Version 4 (object stores only) keeps arrays in a pool shared by a series of checkpoints
+(`pool`, and each array's generation there, `at`; see `_pool`). Versions 1 to 3 are
+still read.
 """
 
 from __future__ import annotations
@@ -24,9 +28,15 @@ from ucp_jax.store import _bundle, _chunks, _keypath, _location, _untrusted
 
 FORMAT = "ucp_jax"
 FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+POOLED_VERSION = 4
+"""The version of a checkpoint whose arrays live in a pool (older readers refuse it)."""
+READABLE_VERSIONS = (1, 2, 3, 4)
 MANIFEST_KEY = "manifest.json"
 _DATA_PREFIX = re.compile(r"^g[0-9a-f]{16}/$")
+_TOKEN = re.compile(r"^[0-9a-f]{16}$")
+POOL_NAME = ".ucp-pool"
+_POOL = re.compile(r"^(\.\./){1,8}\.ucp-pool/$")
+"""A pool is a `.ucp-pool` folder in one of the checkpoint's first eight ancestors."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +56,9 @@ class ArrayInfo:
       `sharding_indexed`, see `_bundle`); None when each chunk is its own file.
     checksums: the crc32c of every chunk, shaped as the chunk grid (`_chunks`);
       None in format version 1 checkpoints and before a save commits.
+    hashes: the sha256 of every chunk (grid shape + (32,) bytes), recorded by saves that
+      compare chunks by hash (`unchanged="sha256"`); None otherwise.
+    at: the generation of the pool that holds the array (`g<16 hex>/`, version 4 only).
   """
 
   shape: tuple[int, ...]
@@ -58,6 +71,8 @@ class ArrayInfo:
   compression: str | None = None
   bundle: tuple[int, ...] | None = None
   checksums: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
+  hashes: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
+  at: str | None = dataclasses.field(default=None, compare=False)
 
   @property
   def nbytes(self) -> int:
@@ -76,6 +91,10 @@ class ArrayInfo:
       out["bundle"] = list(self.bundle)
     if checksums and self.checksums is not None:
       out["chunk_crc32c"] = _chunks.encode(self.checksums)
+    if checksums and self.hashes is not None:
+      out["chunk_sha256"] = _chunks.encode_hashes(self.hashes)
+    if self.at is not None:
+      out["at"] = self.at
     return out
 
   @classmethod
@@ -90,6 +109,7 @@ class ArrayInfo:
       role=data.get("role"),
       compression=data.get("compression"),
       bundle=None if data.get("bundle") is None else tuple(data["bundle"]),
+      at=data.get("at"),
     )
 
   def expected_crc(self, index: tuple[int, ...]) -> int | None:
@@ -116,6 +136,9 @@ class Manifest:
   created: str = ""
   format_version: int = FORMAT_VERSION
   data: str = ""  # where the arrays live below the root ("" = at the root)
+  token: str = ""  # the save's token (16 hex digits): who wrote it, for incremental saves
+  durable: bool | None = None  # whether the save fsynced its files (None: not recorded)
+  pool: str = ""  # the pool that holds the arrays, relative to the root (version 4)
 
   @property
   def nbytes(self) -> int:
@@ -124,7 +147,7 @@ class Manifest:
   def to_bytes(self) -> bytes:
     data = {
       "format": FORMAT,
-      "format_version": FORMAT_VERSION,
+      "format_version": POOLED_VERSION if self.pool else FORMAT_VERSION,
       "created": self.created or datetime.datetime.now(datetime.timezone.utc).isoformat(),
       "step": self.step,
       "source": self.source,
@@ -133,8 +156,11 @@ class Manifest:
       "tree": self.tree,
       "arrays": {k: v.to_json() for k, v in sorted(self.arrays.items())},
     }
-    if self.data:
-      data["data"] = self.data
+    for name in ("data", "token", "pool"):
+      if getattr(self, name):
+        data[name] = getattr(self, name)
+    if self.durable is not None:
+      data["durable"] = self.durable
     return seal(data)
 
   @classmethod
@@ -173,6 +199,9 @@ class Manifest:
       created=data.get("created", ""),
       format_version=version,
       data=data.get("data", ""),
+      token=data.get("token", ""),
+      durable=data.get("durable"),
+      pool=data.get("pool", ""),
     )
 
 
@@ -185,6 +214,9 @@ _TOP_FIELDS = {  # field: (the types a save writes, what they are called)
   "tree": ((dict, list, str, type(None)), "an outline of keys"),
   "created": (str, "a string"),
   "data": (str, "a string"),
+  "token": (str, "a string"),
+  "durable": (bool, "true or false"),
+  "pool": (str, "a string"),
 }
 
 
@@ -199,6 +231,27 @@ def _top_problem(data: dict) -> str | None:
   prefix = data.get("data", "")
   if prefix != "" and not _DATA_PREFIX.match(prefix):
     return f"data prefix {_short(prefix)}"
+  token = data.get("token", "")
+  if token != "" and not _TOKEN.match(token):
+    return f"token {_short(token)} (16 hex digits)"
+  return _pool_problem(data)
+
+
+def _pool_problem(data: dict) -> str | None:
+  """Why the pool references of a manifest cannot be what a save wrote (None if they can):
+  a pool is a `.ucp-pool` folder of an ancestor, named only by version 4, with no `data`
+  prefix, and every array then names its generation there (and only then)."""
+  pool = data.get("pool", "")
+  if pool and not _POOL.match(pool):
+    return f"pool {_short(pool)} (a .ucp-pool folder of one of the first 8 ancestors)"
+  if pool and (data.get("format_version") != POOLED_VERSION or data.get("data")):
+    return "a pool in a manifest that is not of version 4, or that has a data prefix too"
+  if data.get("format_version") == POOLED_VERSION and not pool:
+    return "version 4 without a pool"
+  for key, entry in data["arrays"].items():
+    at = entry.get("at") if isinstance(entry, dict) else None
+    if (at is not None) != bool(pool) or (at is not None and not _DATA_PREFIX.match(str(at))):
+      return f"array `{_short(key)}` at {_short(at)} (a pool generation, in pooled manifests only)"
   return None
 
 
@@ -282,7 +335,7 @@ def _array_info(key: str, data: Any, where: str, sealed: bool) -> ArrayInfo:
   if problem is None:
     problem = _untrusted.shape_problem(list(info.shape), _itemsize(info.dtype))
   if problem is None and sealed:
-    checked = _attach_checksums(info, data.get("chunk_crc32c"))
+    checked = _attach_checksums(info, data.get("chunk_crc32c"), data.get("chunk_sha256"))
     if isinstance(checked, ArrayInfo):
       return checked
     problem = checked
@@ -327,15 +380,18 @@ def _fields_problem(info: ArrayInfo) -> str | None:
   return None
 
 
-def _attach_checksums(info: ArrayInfo, text: Any) -> ArrayInfo | str:
-  """`info` with its chunk checksums, or what is wrong with them."""
+def _attach_checksums(info: ArrayInfo, text: Any, hashes: Any = None) -> ArrayInfo | str:
+  """`info` with its chunk checksums (and hashes, where recorded), or what is wrong with them."""
   if not isinstance(text, str):
     return "no chunk checksums (chunk_crc32c)"
+  if hashes is not None and not isinstance(hashes, str):
+    return f"chunk hashes (chunk_sha256) {_short(hashes)}"
   try:
     table = _chunks.decode(text, info.shape, info.chunks)
+    hashed = None if hashes is None else _chunks.decode_hashes(hashes, info.shape, info.chunks)
   except (ValueError, UnicodeEncodeError) as e:
     return f"chunk checksums: {e}"
-  return dataclasses.replace(info, checksums=table)
+  return dataclasses.replace(info, checksums=table, hashes=hashed)
 
 
 def read(location: _location.Location, *, staged: bool = False) -> Manifest:
@@ -354,6 +410,11 @@ def read(location: _location.Location, *, staged: bool = False) -> Manifest:
   if raw is None:
     raise _errors.CheckpointNotFoundError(_why_missing(location))
   manifest = Manifest.from_bytes(raw, f"{where}/{MANIFEST_KEY}")
+  if manifest.pool and location.local_dir is not None:
+    raise _errors.ManifestError(
+      f"{where}/{MANIFEST_KEY}: names a pool ({manifest.pool}), which only checkpoints on "
+      "object stores use; a local checkpoint holds every file itself"
+    )
   if manifest.format_version < 2 and _root_version(location) >= 2:
     raise _errors.ManifestError(
       f"{where}/{MANIFEST_KEY}: version {manifest.format_version} in a checkpoint whose "

@@ -28,6 +28,7 @@ from ucp_jax.store import (
   _direct,
   _location,
   _manifest,
+  _pool,
   _untrusted,
   _verify,
   _zarr,
@@ -56,7 +57,13 @@ class Checkpoint:
     self.location = location
     self.manifest = manifest
     self.data = location.child(manifest.data)  # where the arrays live
+    self.pool = _pool.location_of(location, manifest)  # or, in a version 4 checkpoint, their pool
     self._stores: dict[str, ts.TensorStore] = {}
+
+  def array_location(self, key: str) -> _location.Location:
+    """Where the zarr array of `key` lives: below `data`, or in its generation of the pool."""
+    at = self[key].at
+    return self.data if at is None or self.pool is None else self.pool.child(at)
 
   @property
   def step(self) -> int | None:
@@ -100,12 +107,13 @@ class Checkpoint:
   def files(self, key: str) -> _direct.ArrayFiles | None:
     """The chunk files of `key`, when they can be read without TensorStore (local, raw)."""
     info = self[key]
-    if self.data.local_dir is None or not _direct.ENABLED or info.compression is not None:
+    data = self.array_location(key)
+    if data.local_dir is None or not _direct.ENABLED or info.compression is not None:
       return None
     if self.manifest.format_version < 2 and not self._raw_v1(key):
       return None  # version 1 manifests did not record compression: zarr.json says
     return _direct.ArrayFiles(
-      self.data.io_path(key), os.path.join(self.data.local_dir, key), key, info, self.data.pin
+      data.io_path(key), os.path.join(data.local_dir, key), key, info, data.pin
     )
 
   def _raw_v1(self, key: str) -> bool:
@@ -267,13 +275,14 @@ def _checked_store(ckpt: Checkpoint, key: str) -> ts.Future:
   the manifest's checksum for its place before TensorStore sees it.
   """
   info = ckpt[key]
+  data = ckpt.array_location(key)
   chunk_bytes = math.prod(info.chunks) * np.dtype(info.dtype).itemsize
-  _untrusted.check_allocation(chunk_bytes, f"{ckpt.data}/{key}: `{key}`: one chunk")
+  _untrusted.check_allocation(chunk_bytes, f"{data}/{key}: `{key}`: one chunk")
   files = ckpt.files(key)
   if files is not None:
     return _ready(_virtual(info, lambda index, out: _read_file_chunk(files, index, out)))
-  opened = _zarr.open_array(ckpt.data, key)
-  where = f"{ckpt.data}/{key}"
+  opened = _zarr.open_array(data, key)
+  where = f"{data}/{key}"
 
   def build(stored: ts.TensorStore) -> ts.TensorStore:
     problem = _zarr.metadata_problem(stored, info)
@@ -339,8 +348,8 @@ class _ZarrChunks:
 
   def __init__(self, stored: ts.TensorStore, where: str, key: str, info, ckpt: Checkpoint):
     self._stored, self._where, self._key, self._info = stored, where, key, info
-    self._pin = ckpt.data.pin
-    data = ckpt.data
+    data = ckpt.array_location(key)
+    self._pin = data.pin
     self._files = None
     if data.local_dir is not None:  # compressed: each file is checked before TensorStore's read
       self._files = _direct.ArrayFiles(

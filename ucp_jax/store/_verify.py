@@ -26,11 +26,14 @@ def verify(ckpt: Checkpoint, on_array: Callable[[str, int], None] | None = None)
   its place. `on_array(key, nbytes)` is called after each array, for progress.
   """
   problems: dict[str, str] = {}
-  kvstore = _location.kvstore(ckpt.data)
+  kvstores: dict[str, object] = {}  # by data location: a pooled checkpoint uses several
   for key in ckpt.keys():
     info = ckpt[key]
     try:
-      problem = _check_array(ckpt, kvstore, key)
+      data = ckpt.array_location(key)
+      if data.url not in kvstores:
+        kvstores[data.url] = _location.kvstore(data)
+      problem = _check_array(ckpt, kvstores[data.url], key)
     except Exception as e:  # report every bad key, not just the first
       problem = _location.error_text(e).removeprefix(f"{ckpt.location}: `{key}`: ")
       problem = problem.removeprefix("cannot read stored data: ")
@@ -43,7 +46,8 @@ def verify(ckpt: Checkpoint, on_array: Callable[[str, int], None] | None = None)
 
 def _check_array(ckpt: Checkpoint, kvstore, key: str) -> str | None:
   info = ckpt[key]
-  stored = _zarr.wait_open(ckpt.location, key, _zarr.open_array(ckpt.data, key))
+  data = ckpt.array_location(key)
+  stored = _zarr.wait_open(ckpt.location, key, _zarr.open_array(data, key))
   problem = _zarr.metadata_problem(stored, info)
   if problem:
     return problem
@@ -60,7 +64,7 @@ def _check_array(ckpt: Checkpoint, kvstore, key: str) -> str | None:
     what = "bundle files" if info.bundle else "chunks"
     return f"{missing} of {math.prod(grid)} {what} missing: {_missing(ckpt, key, found)}"
   if extra:
-    shown = ", ".join(f"{ckpt.data}/{key}/{name}" for name in extra[:3])
+    shown = ", ".join(f"{data}/{key}/{name}" for name in extra[:3])
     return f"{len(extra)} files outside the chunk grid: {shown}" + (
       ", ..." if len(extra) > 3 else ""
     )
@@ -119,5 +123,6 @@ def _missing(ckpt: Checkpoint, key: str, found: set[str], limit: int = 3) -> str
   """The first few missing chunk files, by path (`found`: the chunk keys present)."""
   names = _chunk_names(ckpt[key])
   missing = list(itertools.islice((n for n in names if n not in found), limit + 1))
-  shown = [f"{ckpt.data}/{key}/{name}" for name in missing[:limit]]
+  data = ckpt.array_location(key)
+  shown = [f"{data}/{key}/{name}" for name in missing[:limit]]
   return ", ".join(shown) + (", ..." if len(missing) > limit else "")

@@ -9,10 +9,9 @@ import contextlib
 import dataclasses
 import os
 import secrets
-import sys
-from collections.abc import Iterator
 from typing import Any
 
+import crc32c
 import numpy as np
 
 from ucp_jax import _errors
@@ -20,26 +19,18 @@ from ucp_jax.store import (
   _chunks,
   _commit,
   _direct,
+  _folders,
   _keypath,
   _location,
   _manifest,
   _multihost,
+  _pool,
   _regions,
-  _swap,
-  _write_plan,
+  _reuse,
+  _shards,
   _zarr,
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class Entry:
-  """One array of a save: its key, what the manifest says of it, and its data."""
-
-  key: str
-  info: _manifest.ArrayInfo
-  value: Any  # a jax.Array (key data for PRNG keys) or a numpy array
-  # Host copies of the (index, data) this process writes, taken by `save_async`; None: use `value`.
-  owned: tuple[tuple[tuple[slice, ...], np.ndarray], ...] | None = None
+from ucp_jax.store._shards import Entry as Entry
 
 
 class Writer:
@@ -63,11 +54,20 @@ class Writer:
     overwrite: bool = False,
     sync: _multihost.Sync | None = None,
     durable: bool = True,
+    base: Any = None,
+    hashed: bool = False,
+    pool_levels: int = 0,
   ):
     self.target = target
     self._overwrite = overwrite
     self._sync = sync or _multihost.Sync(str(target))
     self._durable = durable
+    self._base = base  # the checkpoint (`_reader.Checkpoint`) that reused arrays come from
+    self._hashed = hashed  # record the sha256 of every chunk
+    self._reused: dict[str, _manifest.ArrayInfo] = {}  # key -> its entry in the base
+    self._nodes: list[Any] = []  # writes of zarr.json files still running
+    self._pool = _pool.of(target, pool_levels)  # where the arrays go on an object store
+    self.token = 0  # this save's, once started
     self._primary = _multihost.is_primary()
     self._lock: _commit.Lock | None = None
     self._stores: dict[str, Any] = {}
@@ -93,6 +93,8 @@ class Writer:
         if self.target.local_dir is None:
           self._replaced = _commit.live_manifest(self.target)
           _commit.remove_dead_generations(self.target, self._replaced)
+        if self._pool is not None:  # before any data: the collector spares what it names
+          _pool.register(self._pool, token, [self._pool.generation(token)])
         status[:] = (1, token)
       except Exception as e:  # reported to the other processes, then raised here
         error = _location.storage_error(e, self.target, "starting the save", _NOTHING_LOST)
@@ -105,12 +107,16 @@ class Writer:
       raise error
     if status[0] != 1:
       raise _errors.UcpError(f"{self.target}: process 0 could not start the save (see its log)")
-    self.staging = _commit.staging_location(self.target, int(status[1]))
-    self._data = _commit.data_prefix(self.target, int(status[1]))
+    self.token = int(status[1])
+    if self._pool is not None:
+      self.staging = self._pool.location.child(self._pool.generation(self.token))
+    else:
+      self.staging = _commit.staging_location(self.target, self.token)
+      self._data = _commit.data_prefix(self.target, self.token)
     return self
 
-  def together(self, what: str, fn, *args) -> None:
-    together(self._sync, self.target, what, fn, *args)
+  def together(self, what: str, fn, *args) -> Any:
+    return together(self._sync, self.target, what, fn, *args)
 
   def create(self, arrays: dict[str, _manifest.ArrayInfo], *, compression: str | None) -> None:
     """Creates every array (process 0), then opens them on the other processes."""
@@ -124,34 +130,100 @@ class Writer:
     self._arrays = {
       key: dataclasses.replace(info, compression=compression) for key, info in arrays.items()
     }
-    self._tables = {key: _chunks.Table(info.shape, info.chunks) for key, info in arrays.items()}
+    self._tables = {
+      key: _chunks.Table(info.shape, info.chunks, self._hashed) for key, info in arrays.items()
+    }
+    if self._pool is not None:  # a reused array stays in the base's generation of the pool
+      arrays = {key: info for key, info in arrays.items() if key not in self._reused}
     if self._primary:
       self.together("creating the arrays", self._create, arrays, compression)
     else:
       self.together("creating the arrays", lambda: None)
-      futures = {key: _zarr.open_array(self.staging, key, self._durable) for key in arrays}
+      futures = {
+        key: _zarr.open_array(self.staging, key, self._durable)
+        for key in arrays
+        if not self._direct(self._arrays[key])
+      }
       self._stores = {key: f.result() for key, f in futures.items()}
 
   def _create(self, arrays: dict[str, _manifest.ArrayInfo], compression: str | None) -> None:
-    futures = {
-      key: _zarr.create_array(
-        _zarr.array_spec(
-          self.staging,
-          key,
-          shape=info.shape,
-          dtype=np.dtype(info.dtype),
-          chunks=info.chunks,
-          compression=compression,
-          bundle=info.bundle,
-        ),
-        self._durable,
+    specs = {
+      key: _zarr.array_spec(
+        self.staging,
+        key,
+        shape=info.shape,
+        dtype=np.dtype(info.dtype),
+        chunks=info.chunks,
+        compression=compression,
+        bundle=info.bundle,
       )
       for key, info in arrays.items()
     }
-    _write_groups(self.staging, list(arrays), self._durable)
-    if self._data:  # the root group of an object-store checkpoint, above its generation
-      _location.kvstore(self.target, self._durable).write("zarr.json", _group_json(True)).result()
+    # An array written without TensorStore gets the zarr.json TensorStore wrote for the same
+    # metadata before, without TensorStore (one file write instead of an open and a create).
+    known = {
+      k: _zarr.known_metadata(spec) for k, spec in specs.items() if self._direct(self._arrays[k])
+    }
+    futures = {
+      key: _zarr.create_array(spec, self._durable)
+      for key, spec in specs.items()
+      if known.get(key) is None
+    }
+    root = self.staging.local_dir
+    writes = [
+      _direct.submit_or_run(
+        _folders.write_file, os.path.join(root, key, "zarr.json"), raw, self._durable
+      )
+      for key, raw in known.items()
+      if raw is not None
+    ]
+    _folders.write_groups(self.staging, list(arrays), self._durable)
+    if self.target.local_dir is None:  # the root group, above its generation (or pool)
+      _location.kvstore(self.target, self._durable).write(
+        "zarr.json", _folders.group_json(True)
+      ).result()
     self._stores = {key: f.result() for key, f in futures.items()}
+    self._nodes = writes  # nobody reads them before the commit, which waits for them
+    self._inflight += writes
+    for key in futures.keys() & known.keys():
+      with open(os.path.join(root, key, "zarr.json"), "rb") as f:
+        _zarr.learn_metadata(specs[key], f.read())
+
+  def _direct(self, info: _manifest.ArrayInfo) -> bool:
+    """Whether `info`'s chunks are written as files, without TensorStore (`_write`)."""
+    return self.staging.local_dir is not None and info.compression is None and _direct.ENABLED
+
+  def confirm_reuse(self, entries: list[Entry]) -> list[Entry]:
+    """The entries, reuse kept where the base's data can be taken: on a local disk always
+    (a region whose files the base lost is written instead, `_link_reused`); on an object
+    store where the base's generation in the pool is registered as used by this save and
+    neither condemned nor deleted by a collector (`_pool`)."""
+    if self.target.local_dir is not None:
+      self._reused = {e.key: self._base[e.key] for e in entries if e.reuse}
+      return entries
+    if self._pool is None or not any(e.reuse for e in entries):
+      return [dataclasses.replace(e, reuse=False) if e.reuse else e for e in entries]
+    flags = np.array([e.reuse for e in entries], dtype=np.uint8)
+    if self._primary:
+      flags = self.together("taking the base's arrays", self._confirm, entries, flags)
+    else:
+      self.together("taking the base's arrays", lambda: None)
+    flags = self._sync.broadcast_from_primary(flags, "taking the base's arrays")
+    lost = [e.key for e, f in zip(entries, flags) if e.reuse and not f and _shards.no_data(e)]
+    self.together("taking the base's arrays", _refuse_lost, self.target, lost)
+    entries = [dataclasses.replace(e, reuse=bool(f)) for e, f in zip(entries, flags)]
+    self._reused = {e.key: self._base[e.key] for e in entries if e.reuse}
+    return entries
+
+  def _confirm(self, entries: list[Entry], flags: np.ndarray) -> np.ndarray:
+    by_generation: dict[str, list[str]] = {}
+    for e in entries:
+      if e.reuse:
+        by_generation.setdefault(self._base[e.key].at, []).append(e.key)
+    own = self._pool.generation(self.token)
+    _pool.register(self._pool, self.token, [own, *sorted(by_generation)])
+    usable = {g for g, keys in by_generation.items() if _pool.usable(self._pool, g, keys)}
+    return np.array([e.reuse and self._base[e.key].at in usable for e in entries], dtype=np.uint8)
 
   def write_entries(self, entries: list[Entry], max_host_bytes: int) -> None:
     """Writes this process's shards of every entry, holding at most ~max_host_bytes."""
@@ -170,12 +242,14 @@ class Writer:
         future.exception()
 
   def _write_shards(self, entries: list[Entry], max_host_bytes: int) -> None:
+    rewritten = self._link_reused([e for e in entries if e.reuse])
+    entries = [e for e in entries if not e.reuse] + rewritten
     pending: list[tuple[Any, int]] = []
     held = 0
-    for entry, index, data, origin in owned_shards(entries, self._primary):
+    for entry, index, data, origin in _shards.owned_shards(entries, self._primary):
       nbytes = (
         0  # a CPU device's buffer is written in place: no host copy to bound
-        if _on_cpu_device(entry.value)
+        if _shards.on_cpu_device(entry.value)
         # the host holds all of `data` (a whole shard) while one slab of it is written
         else int(np.prod([s.stop - s.start for s in origin], dtype=np.int64))
         * np.dtype(entry.info.dtype).itemsize
@@ -184,12 +258,28 @@ class Writer:
         future, n = pending.pop(0)
         future.result()
         held -= n
-      host = slab(host_array(data), index, origin)
-      immutable = _is_jax_array(entry.value) or entry.owned is not None  # never changes
+      host = _shards.slab(_shards.host_array(data), index, origin)
+      immutable = _shards.is_jax_array(entry.value) or entry.owned is not None  # never changes
       pending.append((self._write(entry.key, host, index, immutable), nbytes))
       held += nbytes
     for future, _ in pending:
       future.result()
+
+  def _link_reused(self, entries: list[Entry]) -> list[Entry]:
+    """Links the base's files of the reused arrays' regions this process owns (a local
+    staging folder; on an object store the manifest references them). Returns entries to
+    write instead for the regions the base could not give (a file missing or not regular)."""
+    if not entries or self.staging.local_dir is None:
+      return []
+    return _reuse.link_owned(
+      self._base,
+      self.staging.local_dir,
+      entries,
+      primary=self._primary,
+      durable=self._durable,
+      started=self._inflight,
+      target=self.target,
+    )
 
   def _write(self, key: str, host: np.ndarray, index: tuple[slice, ...], immutable: bool):
     """Starts writing `host` into the region `index` of `key`; returns something to wait on."""
@@ -197,7 +287,7 @@ class Writer:
       self._inflight = [f for f in self._inflight if not f.done()]
     info = self._arrays[key]
     table = self._tables[key]
-    if self.staging.local_dir is not None and info.compression is None and _direct.ENABLED:
+    if self._direct(info):
       futures = _direct.write_region(
         os.path.join(self.staging.local_dir, key),
         host,
@@ -212,7 +302,8 @@ class Writer:
       return _AllOf(futures)
     for chunk in _chunks.chunks_in(index, info.chunks):
       region = _chunks.chunk_region(chunk, info.chunks, info.shape)
-      table.set(chunk, _chunks.of_block(host[_regions.relative(region, index)], info.chunks))
+      raw = _chunks.raw_bytes(_chunks.padded(host[_regions.relative(region, index)], info.chunks))
+      table.set(chunk, crc32c.crc32c(raw), raw)
     future = (
       self._stores[key][index].write(host, can_reference_source_data_indefinitely=immutable).commit
     )
@@ -234,7 +325,8 @@ class Writer:
   def commit(self, manifest: _manifest.Manifest) -> None:
     """Writes the manifest and makes the checkpoint visible, once every process is done."""
     self.together("writing", lambda: None)
-    entries = self._sync.gather_to_primary(_checksum_entries(self._tables), "gathering checksums")
+    raw = _chunks.pack_entries(self._tables, self._hashed)
+    entries = self._sync.gather_to_primary(raw, "gathering checksums")
     if self._primary:
       self.together("the commit", self._commit, manifest, entries)
     else:
@@ -242,9 +334,13 @@ class Writer:
     self.staging = None
 
   def _commit(self, manifest: _manifest.Manifest, entries: list[bytes]) -> None:
+    for write in self._nodes:
+      write.result()
     keys = sorted(self._tables)
     for raw in entries[1:]:  # this process's own entries are in its tables already
-      _merge_checksum_entries(self._tables, keys, raw)
+      _chunks.merge_entries(self._tables, keys, raw, self._hashed)
+    for key, info in self._reused.items():  # the base's chunks, checked by place as its own
+      self._tables[key].fill(info.checksums, info.hashes)
     incomplete = [
       f"{k}: {t.missing()} of {t.written.size} chunks not written"
       for k, t in self._tables.items()
@@ -257,25 +353,58 @@ class Writer:
       )
     arrays = {
       k: dataclasses.replace(
-        v, compression=self._arrays[k].compression, checksums=self._tables[k].crcs
+        v,
+        compression=self._arrays[k].compression,
+        checksums=self._tables[k].crcs,
+        hashes=self._tables[k].hashes,
       )
       if k in self._arrays
       else v
       for k, v in manifest.arrays.items()
     }
-    manifest = dataclasses.replace(manifest, arrays=arrays, data=self._data)
+    if self._pool is not None:  # each array names the generation of the pool that holds it
+      own = self._pool.generation(self.token)
+      arrays = {
+        k: dataclasses.replace(v, at=self._reused[k].at if k in self._reused else own)
+        for k, v in arrays.items()
+      }
+    manifest = dataclasses.replace(
+      manifest,
+      arrays=arrays,
+      data=self._data,
+      token=f"{self.token:016x}",
+      durable=self._durable,
+      pool=self._pool.relative if self._pool is not None else "",
+    )
     if self._durable and self.staging.local_dir is not None:
-      _fsync_dirs(_array_dirs(self.staging.local_dir, self._arrays))
+      _folders.fsync(_folders.array_dirs(self.staging.local_dir, self._arrays))
     _commit.commit(self.staging, self.target, manifest.to_bytes(), durable=self._durable)
-    if self._data:
+    if self.target.local_dir is None:
       _commit.remove_replaced(self.target, self._data, self._replaced)
+      self._collect()
+
+  def _collect(self) -> None:
+    """Collects the pools this commit may have left garbage in: its own, and the replaced
+    checkpoint's. The commit is done: a collection that fails leaves garbage, nothing else."""
+    pools = [self._pool.location] if self._pool is not None else []
+    if isinstance(self._replaced, _manifest.Manifest):
+      with contextlib.suppress(_errors.ManifestError):
+        old = _pool.location_of(self.target, self._replaced)
+        if old is not None and not any(_pool.same(old, p) for p in pools):
+          pools.append(old)
+    for pool in pools:
+      with contextlib.suppress(Exception):
+        _pool.collect(pool)
 
   def __exit__(self, exc_type, exc, tb) -> None:
     try:
       if exc_type is not None:
         self._wait_inflight()  # no chunk may land in the staging folder after it is gone
       if exc_type is not None and self._primary and self.staging is not None:
-        _commit.abort(self.staging, self.target)  # puts back an old checkpoint left aside
+        if self._pool is not None:
+          _pool.abort(self._pool, self.token)
+        else:
+          _commit.abort(self.staging, self.target)  # puts back an old checkpoint left aside
     finally:
       self._release()
 
@@ -304,6 +433,15 @@ def together(sync: _multihost.Sync, target: _location.Location, what: str, fn, *
 _NOTHING_LOST = "Nothing was committed; the checkpoint there before, if any, is intact."
 
 
+def _refuse_lost(target: _location.Location, lost: list[str]) -> None:
+  if lost:
+    raise _errors.UcpError(
+      f"{target}: a collector of the pool deleted the base's data of these unchanged arrays "
+      "during this save_async, which holds no copy of them; save again:\n"
+      + _errors.bullet_list(lost)
+    )
+
+
 class _AllOf:
   """Waits for several futures as one."""
 
@@ -313,162 +451,3 @@ class _AllOf:
   def result(self):
     for f in self._futures:
       f.result()
-
-
-def owned_shards(entries: list[Entry], primary: bool) -> Iterator[tuple[Entry, tuple, Any, tuple]]:
-  """(entry, region, data, data's region) for every region this process must write.
-
-  `data` holds `region` (a whole shard) or more (a replicated shard that several
-  processes share: `slab` cuts out the region). Device-to-host copies start early.
-  """
-  jax_shards = []
-  for entry in entries:
-    if entry.owned is not None:
-      for index, data in entry.owned:
-        yield entry, index, data, index
-    elif _is_jax_array(entry.value):
-      jax_shards += _jax_pieces(entry)
-    elif primary:
-      full = tuple(slice(0, d) for d in entry.info.shape)
-      yield entry, full, entry.value, full
-  copies: dict[int, Any] = {}  # a shard holding several regions is copied once
-  for entry, region, data, origin in jax_shards:
-    copy = copies.get(id(data))
-    if copy is None:
-      copy = copies[id(data)] = start_host_copy(data)
-    yield entry, region, copy, origin
-
-
-# Platforms whose shards are copied to pinned host memory (Orbax does the same on GPUs). On an
-# H200, 1 GiB took 0.6 s through `copy_to_host_async` (pageable memory), 0.03 s pinned.
-PINNED_PLATFORMS = ("gpu",)
-
-
-@dataclasses.dataclass(frozen=True)
-class PinnedCopy:
-  """A shard's copy in pinned host memory: a buffer this save alone holds."""
-
-  array: Any  # a jax.Array whose memory kind is "pinned_host"
-
-
-def start_host_copy(data: Any) -> Any:
-  """Starts copying a device shard to host memory; `host_array` of the result waits for it."""
-  jax = sys.modules["jax"]
-  device = next(iter(data.devices()))
-  if (
-    device.platform in PINNED_PLATFORMS
-    and data.sharding.memory_kind in (None, "device")
-    and any(m.kind == "pinned_host" for m in device.addressable_memories())
-  ):
-    pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
-    return PinnedCopy(jax.device_put(data, pinned))
-  data.copy_to_host_async()
-  return data
-
-
-def host_array(data: Any) -> np.ndarray:
-  """The host values of what `owned_shards` yields (a view where that costs no copy)."""
-  return np.asarray(data.array if isinstance(data, PinnedCopy) else data)
-
-
-def slab(host: np.ndarray, region: tuple, origin: tuple) -> np.ndarray:
-  """The part of `host` (which holds `origin`) that `region` names; a view."""
-  return host if region == origin else host[_regions.relative(region, origin)]
-
-
-def _jax_pieces(entry: Entry) -> list[tuple[Entry, tuple, Any, tuple]]:
-  """(entry, region, shard data, shard region) for each slab of `entry` this process writes."""
-  value, shape = entry.value, entry.info.shape
-  if _multihost.process_count() == 1:  # the plan's answer, without computing it
-    return [
-      (entry, region, s.data, region)
-      for s in value.addressable_shards
-      if s.replica_id == 0
-      for region in [_regions.normalize(s.index, shape)]
-    ]
-  unit = entry.info.bundle or entry.info.chunks  # a bundle file has one writer
-  plan = _write_plan.of_sharding(entry.key, value.sharding, shape, unit, _multihost.process_index())
-  pieces = []
-  for shard in value.addressable_shards:
-    origin = _regions.normalize(shard.index, shape)
-    pieces += [(entry, region, shard.data, origin) for region in plan.get(shard.device, ())]
-  return pieces
-
-
-def _checksum_entries(tables: dict[str, _chunks.Table]) -> bytes:
-  """The chunk checksums this process recorded, as bytes to send to process 0."""
-  parts = []
-  for number, key in enumerate(sorted(tables)):
-    flat, crcs = tables[key].entries()
-    part = np.empty(len(flat), dtype=_ENTRY)
-    part["array"], part["chunk"], part["crc"] = number, flat, crcs
-    parts.append(part)
-  return np.concatenate(parts).tobytes() if parts else b""
-
-
-def _merge_checksum_entries(tables: dict[str, _chunks.Table], keys: list[str], raw: bytes) -> None:
-  entries = np.frombuffer(raw, dtype=_ENTRY)
-  for number in np.unique(entries["array"]):
-    mine = entries[entries["array"] == number]
-    tables[keys[int(number)]].merge(mine["chunk"], mine["crc"])
-
-
-_ENTRY = np.dtype([("array", "<u4"), ("chunk", "<u8"), ("crc", "<u4")])
-
-
-def _array_dirs(root: str, arrays: dict[str, _manifest.ArrayInfo]) -> set[str]:
-  """Every directory a local save created: groups, arrays, and chunk (or bundle) folders."""
-  dirs = {root}
-  for key, info in arrays.items():
-    parts = key.split("/")
-    dirs.update(os.path.join(root, *parts[:i]) for i in range(1, len(parts) + 1))
-    grid = _chunks.grid(info.shape, info.bundle or info.chunks)
-    if len(grid) >= 1 and all(grid):
-      dirs.add(os.path.join(root, key, "c"))
-      for depth in range(1, len(grid)):
-        for prefix in np.ndindex(*grid[:depth]):
-          dirs.add(os.path.join(root, key, "c", *map(str, prefix)))
-  return dirs
-
-
-def _fsync_dirs(dirs: set[str]) -> None:
-  futures = [_direct.submit(_fsync_if_present, d) for d in dirs]
-  for f in futures:
-    f.result()
-
-
-def _fsync_if_present(path: str) -> None:
-  with contextlib.suppress(FileNotFoundError):
-    _swap.fsync_dir(path)
-
-
-def _write_groups(location: _location.Location, keys: list[str], durable: bool = True) -> None:
-  """zarr v3 group nodes for the root and every inner path, so zarr readers can walk the tree."""
-  groups = {""}
-  for key in keys:
-    parts = key.split("/")
-    groups.update("/".join(parts[:i]) for i in range(1, len(parts)))
-  store = _location.kvstore(location, durable)
-  futures = [
-    store.write(f"{group}/zarr.json" if group else "zarr.json", _group_json(not group))
-    for group in groups
-  ]
-  for f in futures:
-    f.result()
-
-
-def _group_json(root: bool) -> bytes:
-  import json
-
-  attributes = {"ucp_jax": {"format_version": _manifest.FORMAT_VERSION}} if root else {}
-  return json.dumps({"zarr_format": 3, "node_type": "group", "attributes": attributes}).encode()
-
-
-def _on_cpu_device(x: Any) -> bool:
-  return _is_jax_array(x) and next(iter(x.devices())).platform == "cpu"
-
-
-def _is_jax_array(x: Any) -> bool:
-  """Without jax loaded nothing is a jax.Array (converters write from numpy, jax-free)."""
-  jax = sys.modules.get("jax")
-  return jax is not None and isinstance(x, jax.Array)

@@ -112,6 +112,27 @@ def array_spec(
   }
 
 
+_WRITTEN: dict[str, bytes] = {}  # canonical spec metadata -> the zarr.json TensorStore wrote
+
+
+def known_metadata(spec: dict) -> bytes | None:
+  """The `zarr.json` TensorStore wrote for an array of this spec's metadata, once one was
+  created in this process (`learn_metadata`): a save writes it again without TensorStore."""
+  return _WRITTEN.get(_canonical(spec["metadata"]))
+
+
+def learn_metadata(spec: dict, raw: bytes) -> None:
+  if len(_WRITTEN) >= 4096:
+    _WRITTEN.clear()
+  _WRITTEN[_canonical(spec["metadata"])] = raw
+
+
+def _canonical(metadata: dict) -> str:
+  import json
+
+  return json.dumps(metadata, sort_keys=True, separators=(",", ":"))
+
+
 _LITTLE_ENDIAN = {"name": "bytes", "configuration": {"endian": "little"}}
 
 COMPRESSIONS = (None, "zstd")

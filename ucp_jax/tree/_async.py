@@ -14,13 +14,24 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import weakref
 from typing import Any
 
 import jax
 import numpy as np
 
-from ucp_jax.store import _bundle, _location, _manifest, _multihost, _writer, _zarr
-from ucp_jax.tree import _pending, _save
+from ucp_jax.store import (
+  _bundle,
+  _location,
+  _manifest,
+  _multihost,
+  _pool,
+  _reader,
+  _shards,
+  _writer,
+  _zarr,
+)
+from ucp_jax.tree import _pending, _save, _unchanged
 from ucp_jax.tree._pending import SaveHandle as SaveHandle
 
 
@@ -36,9 +47,13 @@ class Job:
   compression: str | None
   max_host_bytes: int
   durable: bool = True
+  base: _reader.Checkpoint | None = None
+  hashed: bool = False
+  arrays: dict[str, weakref.ref] = dataclasses.field(default_factory=dict)  # for `_unchanged`
+  pool_levels: int = 0
 
   def run(self) -> str:
-    _save.write(
+    token = _save.write(
       self.target,
       self.entries,
       self.manifest,
@@ -47,7 +62,11 @@ class Job:
       compression=self.compression,
       max_host_bytes=self.max_host_bytes,
       durable=self.durable,
+      base=self.base,
+      hashed=self.hashed,
+      pool_levels=self.pool_levels,
     )
+    _unchanged.remember(token, self.arrays)
     return str(self.target)
 
 
@@ -65,6 +84,8 @@ def save_async(
   durable: bool = True,
   schema: dict | None = None,
   source: dict | None = None,
+  base: str | os.PathLike | _reader.Checkpoint | None = None,
+  unchanged: _unchanged.Unchanged = "identity",
 ) -> SaveHandle:
   """Saves like `save`, writing in the background once the state is in host memory.
 
@@ -98,6 +119,9 @@ def save_async(
     durable: fsync before the commit (see `save`).
     schema: universal parameter schema (filled by the Flax/Optax helpers).
     source: description of where the state came from (filled by converters).
+    base: an earlier checkpoint whose files the unchanged arrays take (see `save`); no
+      host copy is taken of those arrays.
+    unchanged: how an array is known unchanged since `base` (see `save`).
 
   Returns:
     A `SaveHandle`: `done()`, and `result()`, which returns the checkpoint's
@@ -118,6 +142,8 @@ def save_async(
       bundle_bytes=bundle_bytes,
       schema=schema,
       source=source,
+      base=base,
+      unchanged=unchanged,
     )
     handle = SaveHandle(str(job.target))
     _pending.start(turn, handle, job.run, name=f"ucp_jax.save_async {path}")
@@ -134,28 +160,70 @@ def snapshot(
   compression: str | None,
   max_host_bytes: int,
   durable: bool = True,
+  base: str | os.PathLike | _reader.Checkpoint | None = None,
+  unchanged: _unchanged.Unchanged = "identity",
+  pool_levels: int | None = None,
   **options,
 ) -> Job:
-  """Plans a save with the other processes and copies this process's shards to host memory."""
+  """Plans a save with the other processes and copies this process's shards to host memory
+  (except those of arrays unchanged since `base`, whose files the save takes)."""
   _zarr.check_compression(compression)
+  _unchanged.check_mode(unchanged)
   target = _location.resolve(path)
   sync = _multihost.Sync(str(target))
+  flat: dict[str, Any] = {}
+  found: dict[str, Any] = {}
 
   def plan() -> tuple[list[_writer.Entry], _manifest.Manifest]:
-    entries, manifest = _save.prepare(tree, **options)
-    return _host_copies(entries), manifest
+    entries, manifest = _save.prepare(tree, leaves=flat, **options)
+    base_ckpt = found["base"] = None if base is None else _unchanged.open_base(base)
+    levels = found["levels"] = _pool.levels_for(target, base_ckpt, pool_levels)
+    if base_ckpt is None:
+      return _host_copies(entries), manifest
+    marked = _unchanged.mark(
+      entries,
+      flat,
+      base_ckpt,
+      target,
+      unchanged=unchanged,
+      compression=compression,
+      pool_levels=levels,
+    )
+    return marked, manifest
 
   # Agreed like `save`'s planning, so a leaf rejected (or a copy failed) on one process stops all.
   entries, manifest = _writer.together(sync, target, "checking the tree", plan)
-  return Job(target, entries, manifest, sync, overwrite, compression, max_host_bytes, durable)
+  base_ckpt, levels = found["base"], found["levels"]
+  if base_ckpt is not None:  # copies only of what the processes agree to write
+    entries = _unchanged.agree(sync, entries)
+    entries = _writer.together(sync, target, "copying the state", _host_copies, entries)
+  return Job(
+    target,
+    entries,
+    manifest,
+    sync,
+    overwrite,
+    compression,
+    max_host_bytes,
+    durable,
+    base_ckpt,
+    unchanged == "sha256",
+    _unchanged.identities(flat),
+    levels,
+  )
 
 
 def _host_copies(entries: list[_writer.Entry]) -> list[_writer.Entry]:
-  """The entries with host copies of the shards this process writes, and no device arrays."""
-  owned: dict[str, list] = {e.key: [] for e in entries}
+  """The entries with host copies of the shards this process writes, and no device arrays
+  (a reused entry keeps only the regions it owns: its files come from the base)."""
+  primary = _multihost.is_primary()
+  owned: dict[str, list] = {
+    e.key: [(region, None) for region in _shards.owned_regions(e, primary)] if e.reuse else []
+    for e in entries
+  }
   # _owned_shards starts every device-to-host copy before the first one is waited for.
-  for entry, index, data, origin in _writer.owned_shards(entries, _multihost.is_primary()):
-    host = _writer.slab(_host_copy(data), index, origin)
+  for entry, index, data, origin in _shards.owned_shards(entries, _multihost.is_primary()):
+    host = _shards.slab(_host_copy(data), index, origin)
     if index != origin and not _on_cpu(data):  # keep the slab, not the whole shard's copy
       host = np.array(host, copy=True)
     owned[entry.key].append((index, host))
@@ -176,8 +244,8 @@ def _host_copy(data: Any) -> np.ndarray:
   copied before the training loop goes on. A numpy leaf is the caller's own, mutable
   array: it is copied. A copy in pinned host memory (GPUs) is this save's own.
   """
-  if isinstance(data, _writer.PinnedCopy):
-    return _writer.host_array(data)
+  if isinstance(data, _shards.PinnedCopy):
+    return _shards.host_array(data)
   if isinstance(data, jax.Array):
     platform = next(iter(data.devices())).platform
     if platform == "cpu" or data.sharding.memory_kind in (None, "device"):

@@ -14,7 +14,7 @@ import tensorstore as ts
 from ucp_jax import _errors
 from ucp_jax.store import _hostmem, _keypath, _reader, _regions, _untrusted, _zarr
 from ucp_jax.store._manifest import ArrayInfo
-from ucp_jax.tree import _save, _tree
+from ucp_jax.tree import _save, _tree, _unchanged
 
 if TYPE_CHECKING:
   from ucp_jax.mapping._mapping import RuleSet
@@ -92,7 +92,19 @@ def restore(
   flat, unflatten = _tree.flatten(target, prefix=prefix)
   wants = _wants(flat)
   _validate(ckpt, wants, prefix, partial, cast)
-  return unflatten(_read_all(ckpt, wants, max_host_bytes))
+  values = _read_all(ckpt, wants, max_host_bytes)
+  if rules is None:  # the arrays hold what the checkpoint's save held: a save may reuse it
+    _unchanged.remember(ckpt.manifest.token, _unchanged.identities(_exact(ckpt, wants, values)))
+  return unflatten(values)
+
+
+def _exact(ckpt: _reader.Checkpoint, wants: dict[str, _Want], values: dict) -> dict:
+  """The restored jax.Arrays that hold exactly the stored values (not cast)."""
+  return {
+    key: values[key]
+    for key, want in wants.items()
+    if want.as_ == "jax" and (want.prng or want.dtype in (None, np.dtype(ckpt[key].dtype)))
+  }
 
 
 def _read_all(ckpt: _reader.Checkpoint, wants: dict[str, _Want], max_host_bytes: int) -> dict:

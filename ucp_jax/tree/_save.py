@@ -15,6 +15,8 @@ from ucp_jax.store import (
   _location,
   _manifest,
   _multihost,
+  _pool,
+  _reader,
   _untrusted,
   _write_plan,
   _zarr,
@@ -22,7 +24,7 @@ from ucp_jax.store import (
 from ucp_jax.store._writer import Entry
 from ucp_jax.store._writer import Writer as Writer
 from ucp_jax.store._writer import together as _together
-from ucp_jax.tree import _pending, _tree
+from ucp_jax.tree import _pending, _tree, _unchanged
 
 DEFAULT_HOST_BYTES = 1 << 30
 """Default bound on host memory held by array data in flight during a save or restore."""
@@ -45,6 +47,8 @@ def save(
   durable: bool = True,
   schema: dict | None = None,
   source: dict | None = None,
+  base: str | os.PathLike | _reader.Checkpoint | None = None,
+  unchanged: _unchanged.Unchanged = "identity",
 ) -> str:
   """Saves a pytree as a universal checkpoint.
 
@@ -78,30 +82,82 @@ def save(
       fsyncs (faster, for checkpoints that are cheap to lose).
     schema: universal parameter schema (filled by the Flax/Optax helpers).
     source: description of where the state came from (filled by converters).
+    base: an earlier checkpoint (a path, or an opened one): arrays unchanged since it are
+      not written again; the new checkpoint takes the base's files (hard links on a local
+      disk, references into a shared pool on object stores) and stays complete on its
+      own: deleting or overwriting the base never breaks it (docs/format.md).
+    unchanged: how an array is known unchanged since `base`. `"identity"`: the same
+      `jax.Array` object as this process saved in the base (or restored from it), which
+      costs nothing; `"sha256"`: also arrays whose chunks hash as the base recorded (a
+      host copy and a hash of every chunk; the checkpoint records the sha256 of every
+      chunk, for the next save to compare with).
 
   Returns:
     The checkpoint's location as a string.
   """
 
+  return run(
+    path,
+    tree,
+    step=step,
+    metadata=metadata,
+    overwrite=overwrite,
+    compression=compression,
+    max_host_bytes=max_host_bytes,
+    chunk_bytes=chunk_bytes,
+    bundle_bytes=bundle_bytes,
+    durable=durable,
+    schema=schema,
+    source=source,
+    base=base,
+    unchanged=unchanged,
+  )
+
+
+def run(
+  path: str | os.PathLike,
+  tree: Any,
+  *,
+  overwrite: bool,
+  compression: str | None,
+  max_host_bytes: int,
+  durable: bool,
+  base: str | os.PathLike | _reader.Checkpoint | None,
+  unchanged: _unchanged.Unchanged,
+  pool_levels: int | None = None,
+  **options,
+) -> str:
+  """`save`, where `pool_levels` may place the pool of an object-store save (the Orbax
+  handler's: the manager's folder); None: beside the checkpoint, or the base's pool."""
   _pending.wait_until_finished()  # the async save before this one, and its error
   target = _location.resolve(path)
   sync = _multihost.Sync(str(target))
+  _unchanged.check_mode(unchanged)
+  _zarr.check_compression(compression)
+  flat, found = {}, {}
 
   def plan() -> tuple[list[Entry], _manifest.Manifest]:
-    return prepare(
-      tree,
-      step=step,
-      metadata=metadata,
-      chunk_bytes=chunk_bytes,
-      bundle_bytes=bundle_bytes,
-      schema=schema,
-      source=source,
+    entries, manifest = prepare(tree, leaves=flat, **options)
+    base_ckpt = found["base"] = None if base is None else _unchanged.open_base(base)
+    levels = found["levels"] = _pool.levels_for(target, base_ckpt, pool_levels)
+    reused = _unchanged.mark(
+      entries,
+      flat,
+      base_ckpt,
+      target,
+      unchanged=unchanged,
+      compression=compression,
+      pool_levels=levels,
     )
+    return reused, manifest
 
-  # A tree rejected on one process only must stop every process, not leave them waiting.
-  _zarr.check_compression(compression)
+  # A tree (or a base) rejected on one process only must stop every process, not leave
+  # them waiting.
   entries, manifest = _together(sync, target, "checking the tree", plan)
-  write(
+  base_ckpt, levels = found["base"], found["levels"]
+  if base_ckpt is not None:
+    entries = _unchanged.agree(sync, entries)
+  token = write(
     target,
     entries,
     manifest,
@@ -110,7 +166,11 @@ def save(
     compression=compression,
     max_host_bytes=max_host_bytes,
     durable=durable,
+    base=base_ckpt,
+    hashed=unchanged == "sha256",
+    pool_levels=levels,
   )
+  _unchanged.remember(token, _unchanged.identities(flat))
   return str(target)
 
 
@@ -123,11 +183,17 @@ def prepare(
   bundle_bytes: int | None = _bundle.BUNDLE_BYTES,
   schema: dict | None,
   source: dict | None,
+  leaves: dict | None = None,
 ) -> tuple[list[Entry], _manifest.Manifest]:
-  """What `save` writes: an entry per leaf, and the manifest (raises for bad leaves)."""
+  """What `save` writes: an entry per leaf, and the manifest (raises for bad leaves).
+
+  `leaves`, when given, is filled with the flattened tree (key -> leaf).
+  """
   _zarr.check_chunk_bytes(chunk_bytes)
   _bundle.check_limit(bundle_bytes)
   flat, _ = _tree.flatten(tree)
+  if leaves is not None:
+    leaves.update(flat)
   entries = _plan(flat, chunk_bytes, bundle_bytes)
   manifest = _manifest.Manifest(
     arrays={e.key: e.info for e in entries},
@@ -150,12 +216,29 @@ def write(
   compression: str | None,
   max_host_bytes: int,
   durable: bool = True,
-) -> None:
-  """Creates, writes and commits the checkpoint `prepare` planned, with the other processes."""
-  with Writer(target, overwrite=overwrite, sync=sync, durable=durable) as writer:
+  base: _reader.Checkpoint | None = None,
+  hashed: bool = False,
+  pool_levels: int = 0,
+) -> str:
+  """Creates, writes and commits the checkpoint `prepare` planned, with the other processes.
+
+  Entries marked `reuse` take their files from `base`; with `pool_levels`, the arrays go
+  to the pool that many folders up (object stores). Returns the save's token.
+  """
+  with Writer(
+    target,
+    overwrite=overwrite,
+    sync=sync,
+    durable=durable,
+    base=base,
+    hashed=hashed,
+    pool_levels=pool_levels,
+  ) as writer:
+    entries = writer.confirm_reuse(entries)
     writer.create({e.key: e.info for e in entries}, compression=compression)
     writer.write_entries(entries, max_host_bytes)
     writer.commit(manifest)
+  return f"{writer.token:016x}"
 
 
 def _plan(flat: dict[str, Any], chunk_bytes: int, bundle_bytes: int | None) -> list[Entry]:
