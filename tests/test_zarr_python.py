@@ -29,10 +29,12 @@ for name in layouts:
     assert array.dtype == value.dtype, (name, key, array.dtype)
     np.testing.assert_array_equal(array[:], value)
     np.testing.assert_array_equal(array[1:3, 5:], value[1:3, 5:])
-  with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", "Object at manifest.json")
+  with warnings.catch_warnings(record=True) as caught:  # the manifest beside the arrays
+    root = zarr.open_group(f"{ROOT}/{name}", mode="r")
+    assert list(root.group_keys()) == ["m"], list(root.group_keys())
     group = zarr.open_group(f"{ROOT}/{name}/m", mode="r")
     assert sorted(group.array_keys()) == sorted(values), sorted(group.array_keys())
+  assert not caught, [str(w.message) for w in caught]
 print("read", len(layouts) * len(values), "arrays")
 """
 

@@ -18,6 +18,7 @@ import dataclasses
 import importlib.abc
 import importlib.util
 import sys
+import warnings
 
 import ml_dtypes
 import numpy as np
@@ -76,6 +77,8 @@ def register() -> None:
 
   for name in NAMES:
     data_type_registry.register(name, __getattr__(_class_name(name)))
+  # A checkpoint's manifest sits beside its arrays, where zarr-python warns on listing a group.
+  warnings.filterwarnings("ignore", r"Object at manifest\.json is not recognized")
 
 
 def register_when_imported() -> None:
