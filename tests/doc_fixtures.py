@@ -384,7 +384,7 @@ def orbax_checkpoint(here):
   return {}
 
 
-# docs/dcp.md (the annotations it awaits: PENDING in tests/test_docs_examples.py)
+# docs/dcp.md
 
 
 @setup(requires=("torch",), slow=True)

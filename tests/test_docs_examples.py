@@ -25,30 +25,6 @@ from ucp_jax import _cli
 
 ROOT = doc_blocks.ROOT
 
-# Blocks of documents another change is editing, not yet annotated: (document, how the block
-# begins) -> what it wants. They neither run nor fail; delete an entry once its block is
-# annotated (the test names entries that match no block any more).
-PENDING = {
-  ("docs/sources.md", "ucp convert gs://bucket/run/"): "skip (needs a bucket and credentials)",
-  ("docs/sources.md", "ucp convert gs://bucket/models/"): "skip (needs a bucket and credentials)",
-  ("docs/dcp.md", 'ckpt = ucp_jax.open("dcp_ckpt")'): "setup=dcp_gpt, once it defines `rules`"
-  " and saves jax_ckpt",
-  ("docs/dcp.md", "ucp inspect dcp_ckpt"): "```bash, setup=dcp_gpt; its synopsis ```text",
-  ("docs/dcp.md", "dst/.metadata"): "```text",
-  ("docs/dcp.md", "model_sd, optim_sd = get_state_dict("): "setup=torch_gpt",
-}
-
-
-def _pending(block: doc_blocks.Block) -> tuple[str, str] | None:
-  """The entry of PENDING that names `block`, if one does."""
-  first = block.code.lstrip().partition("\n")[0]
-  return next((k for k in PENDING if k[0] == block.doc and first.startswith(k[1])), None)
-
-
-def _blocks(doc: str) -> tuple[list[doc_blocks.Block], list[str]]:
-  """`doc`'s blocks, less the pending ones; and its doctest comments that precede no block."""
-  blocks, problems = doc_blocks.parse(doc)
-  return [b for b in blocks if not _pending(b)], problems
 
 
 def _needs(group: doc_blocks.Group) -> tuple[bool, tuple[str, ...]]:
@@ -61,7 +37,7 @@ def _runs() -> list:
   """One test per document and set of needs: the first lines of the groups it runs."""
   params = []
   for doc in doc_blocks.documents():
-    found, _ = doc_blocks.groups(_blocks(doc)[0])
+    found, _ = doc_blocks.groups(doc_blocks.parse(doc)[0])
     by_needs: dict[tuple, list[int]] = {}
     for group in found:
       by_needs.setdefault(_needs(group), []).append(group.line)
@@ -80,10 +56,9 @@ def _installed(module: str) -> bool:
 
 
 def test_every_block_runs_or_says_why_not():
-  problems, pending = [], set()
+  problems = []
   for doc in doc_blocks.documents():
-    pending |= {_pending(b) for b in doc_blocks.parse(doc)[0]}
-    blocks, doc_problems = _blocks(doc)
+    blocks, doc_problems = doc_blocks.parse(doc)
     problems += doc_problems + [f"{b.where}: {p}" for b in blocks for p in b.problems]
     problems += doc_blocks.groups(blocks)[1]
     for block in blocks:
@@ -91,7 +66,6 @@ def test_every_block_runs_or_says_why_not():
         problems.append(f"{block.where}: no setup {block.setup!r} in tests/doc_fixtures.py")
       if block.check and block.check not in doc_fixtures.CHECKS:
         problems.append(f"{block.where}: no check {block.check!r} in tests/doc_fixtures.py")
-  problems += [f"PENDING entry {key} matches no block: delete it" for key in set(PENDING) - pending]
   assert not problems, "\n".join([*problems, "(the rules: tests/doc_blocks.py)"])
 
 
@@ -166,7 +140,7 @@ def test_command_synopses_name_real_options():
   commands = next(a.choices for a in parser._actions if getattr(a, "choices", None))
   wrong = []
   for doc in doc_blocks.documents():
-    for block in _blocks(doc)[0]:
+    for block in doc_blocks.parse(doc)[0]:
       lines = block.code.splitlines() if block.kind == "text" else []
       for line in (line.split("#")[0] for line in lines if line.startswith("ucp ")):
         name = line.split()[1]
