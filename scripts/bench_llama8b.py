@@ -120,7 +120,7 @@ def _setup(folder: str):
   import jax
 
   from ucp_jax import models, rules
-  from ucp_jax.store import _keypath
+  from ucp_jax.tree import _tree
 
   rs, cfg = rules.from_hf(folder)
   mesh = jax.make_mesh((2, 4), ("data", "model"))
@@ -130,7 +130,7 @@ def _setup(folder: str):
     models.shardings(model, mesh),
   )
   flat = {
-    _keypath.from_path(p).removesuffix("/value"): leaf
+    _tree.from_path(p).removesuffix("/value"): leaf
     for p, leaf in jax.tree_util.tree_leaves_with_path(target)
   }
   with open(os.path.join(folder, "model.safetensors.index.json")) as f:
@@ -184,7 +184,7 @@ def worker(args) -> int:
     def run(keys=None):
       state = ucp_jax.restore(folder, target, subtree="params", rules=rs, partial=keys is not None)
       leaves = {
-        ucp_jax.store._keypath.from_path(p).removesuffix("/value"): x
+        ucp_jax.tree._tree.from_path(p).removesuffix("/value"): x
         for p, x in jax.tree_util.tree_leaves_with_path(state)
       }
       return leaves if keys is None else {k: leaves[k] for k in keys}

@@ -44,6 +44,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _continuity as continuity
+from _continuity import MeshTrainer, arithmetic_batch
 from _ds_launch import launch_ranks
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,28 +63,13 @@ STEPS = {"full": (10, 10, 10), "small": (3, 3, 3)}  # K (DeepSpeed), N (JAX), M 
 
 
 def batch(step: int, *, vocab: int = MODEL["vocab_size"], seq: int = MODEL["max_len"]):
-  """The global batch of `step`: int64 `[GLOBAL_BATCH, seq + 1]` arithmetic sequences mod vocab.
-
-  Each row starts anywhere and advances by a stride of 1-4, so a model can learn it.
-  """
-  import numpy as np
-
-  rng = np.random.default_rng([SEED, step])
-  start = rng.integers(0, vocab, (GLOBAL_BATCH, 1))
-  stride = rng.integers(1, 5, (GLOBAL_BATCH, 1))
-  return (start + stride * np.arange(seq + 1)[None]) % vocab
+  """The global batch of `step`: int64 `[GLOBAL_BATCH, seq + 1]` arithmetic sequences mod vocab."""
+  return arithmetic_batch(SEED, step, GLOBAL_BATCH, seq, vocab)
 
 
 def ds_config(dp: int, *, load_universal: bool = False) -> dict[str, Any]:
   """DeepSpeed ZeRO-2, fp32, torch AdamW with `HYPER`, no clipping; the global batch split dp ways."""
-  config = {
-    "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dp,
-    "gradient_accumulation_steps": 1,
-    "gradient_clipping": 0.0,
-    "steps_per_print": 1_000_000,
-    "optimizer": {"type": "AdamW", "params": {"torch_adam": True, **HYPER}},
-    "zero_optimization": {"stage": 2},
-  }
+  config = continuity.ds_config(GLOBAL_BATCH, dp, HYPER, stage=2)
   if load_universal:
     config["checkpoint"] = {"load_universal": True}
   return config
@@ -146,23 +133,17 @@ def rank_main(job_path: str) -> None:
   if job.load_dir is not None:
     engine.load_checkpoint(job.load_dir)
     ucp_deepspeed.finish_load(engine, job.load_dir)
-  losses = []
-  per = GLOBAL_BATCH // world
-  for i in range(job.steps):
-    if i == job.save_after:
-      engine.save_checkpoint(job.save_dir, client_state={"universal_checkpoint_info": {}})
-    tokens = torch.from_numpy(batch(job.first + i)[rank * per : (rank + 1) * per])
-    logits = engine(tokens[:, :-1])
-    loss = torch.nn.functional.cross_entropy(
-      logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
-    )
-    engine.backward(loss)
-    engine.step()
-    gathered = [torch.zeros(1) for _ in range(world)]
-    dist.all_gather(gathered, loss.detach().reshape(1))
-    losses.append(sum(float(t) for t in gathered) / world)
-  if job.save_after == job.steps:
-    engine.save_checkpoint(job.save_dir, client_state={"universal_checkpoint_info": {}})
+  losses = continuity.ds_train(
+    engine,
+    batch,
+    job.first,
+    job.steps,
+    logits=lambda engine, tokens: engine(tokens),
+    save=lambda: engine.save_checkpoint(
+      job.save_dir, client_state={"universal_checkpoint_info": {}}
+    ),
+    save_after=job.save_after,
+  )
   if rank == 0:
     Path(job.out).write_text(json.dumps({"losses": losses, "global_steps": engine.global_steps}))
   dist.barrier()
@@ -187,58 +168,23 @@ def launch(dp: int, job: DsJob, workdir: Path, timeout: float = 600) -> list[flo
 # --------------------------------------------------------------------------------------------
 
 
-class JaxTrainer:
+class JaxTrainer(MeshTrainer):
   """FlaxGPT + optax.adamw (= torch AdamW with `HYPER`) on a 2 x 4 (data x model) mesh."""
 
   def __init__(self):
     import jax
     import numpy as np
-    import optax
     from flax import nnx
-    from jax.sharding import AxisType, NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import AxisType
 
     from ucp_jax.models import gpt
 
-    self.mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
-    self.model = gpt.FlaxGPT(gpt.GPTConfig(**MODEL), rngs=nnx.Rngs(0))
-    target = gpt.tp_state(nnx.state(self.model), self.mesh)  # heads / MLP units over "model"
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    model = gpt.FlaxGPT(gpt.GPTConfig(**MODEL), rngs=nnx.Rngs(0))
+    target = gpt.tp_state(nnx.state(model), mesh)  # heads / MLP units over "model"
     zeros = jax.tree.map(lambda t: jax.device_put(np.zeros(t.shape, t.dtype), t.sharding), target)
-    nnx.update(self.model, zeros)
-    tx = optax.adamw(
-      HYPER["lr"],
-      b1=HYPER["betas"][0],
-      b2=HYPER["betas"][1],
-      eps=HYPER["eps"],
-      weight_decay=HYPER["weight_decay"],
-    )
-    self.optimizer = nnx.Optimizer(self.model, tx, wrt=nnx.Param)  # moments sharded as params
-    replicated = NamedSharding(self.mesh, P())
-    on_mesh = lambda x: x if len(x.devices()) > 1 else jax.device_put(x, replicated)  # noqa: E731
-    nnx.update(self.optimizer, jax.tree.map(on_mesh, nnx.state(self.optimizer)))  # step counts
-    self.data = NamedSharding(self.mesh, P("data"))
-
-    @nnx.jit
-    def step(model, optimizer, tokens):
-      def loss_fn(m):
-        logits = m(tokens[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-      loss, grads = nnx.value_and_grad(loss_fn)(model)
-      optimizer.update(model, grads)
-      return loss
-
-    self._step = step
-
-  def train(self, first: int, steps: int) -> list[float]:
-    import jax
-    import numpy as np
-
-    losses = []
-    for i in range(steps):
-      tokens = jax.device_put(batch(first + i).astype(np.int32), self.data)
-      losses.append(float(self._step(self.model, self.optimizer, tokens)))
-    return losses
+    nnx.update(model, zeros)
+    super().__init__(model, mesh, HYPER, batch)
 
 
 # --------------------------------------------------------------------------------------------

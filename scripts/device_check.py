@@ -177,14 +177,14 @@ def run(args, root: str) -> dict:
   devices = jax.devices()
   state, crcs, same, diff, layout = build_state(args.size_mb, devices)
   nbytes = sum(int(x.nbytes) for x in state.values())
-  problems = _reshard._host_copy_problems(state, diff)  # how reshard(method="auto") decides
-  auto = "device_put" if problems else "host copies"
+  path, reason = _reshard.reshard_method(state, diff)  # what reshard(method="auto") does
+  auto = "host copies" if path == "host" else path
   info = {
     "jax_version": jax.__version__, "orbax_version": getattr(ocp, "__version__", "?"),
     "platform": devices[0].platform, "device_kind": devices[0].device_kind,
     "devices": len(devices), "layout": layout, "state_bytes": nbytes,
     "array_shape": list(state["w00"].shape), "arrays": ARRAYS, "repeat": args.repeat,
-    "reshard_auto_picks": auto, "reshard_auto_reason": problems[0] if problems else "",
+    "reshard_auto_picks": auto, "reshard_auto_reason": reason,
   }  # fmt: skip
   print(f"{info['device_kind']} x{len(devices)}, jax {jax.__version__}: {layout}; "
         f"{nbytes / bu.MiB:.0f} MiB; reshard(method='auto') -> {auto}", flush=True)  # fmt: skip

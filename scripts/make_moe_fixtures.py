@@ -258,6 +258,29 @@ def _groups(model):
 # --------------------------------------------------------------------------------------------
 
 
+def _engine(spec: dict, rank: int, config: dict):
+  """A DeepSpeed engine of fixture `spec` on this rank: native MoE, or AutoEP."""
+  import deepspeed
+  import torch
+
+  if spec["kind"] == "native":
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    model = native_model(spec["ep"], rank % spec["ep"])
+    param_groups = split_params_into_different_moe_groups_for_optimizer(_groups(model))
+    optimizer = torch.optim.AdamW(
+      param_groups, lr=LR[0], betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY[0]
+    )
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+  else:
+    autoep_shim()
+    model, _ = hf_model(spec["model"])
+    engine, _, _, _ = deepspeed.initialize(
+      model=model, model_parameters=_groups(model), config=config
+    )
+  return engine
+
+
 def worker(name: str, ckpt_dir: str, out_dir: str) -> None:
   os.environ.setdefault("DS_ACCELERATOR", "cpu")
   import numpy as np
@@ -272,23 +295,9 @@ def worker(name: str, ckpt_dir: str, out_dir: str) -> None:
 
   deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
   spec = FIXTURES[name]
-  rank, ep = int(os.environ["RANK"]), spec["ep"]
+  rank = int(os.environ["RANK"])
   config = ds_config(spec)
-  if spec["kind"] == "native":
-    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
-
-    model = native_model(ep, rank % ep)
-    param_groups = split_params_into_different_moe_groups_for_optimizer(_groups(model))
-    optimizer = torch.optim.AdamW(
-      param_groups, lr=LR[0], betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY[0]
-    )
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-  else:
-    autoep_shim()
-    model, _ = hf_model(spec["model"])
-    engine, _, _, _ = deepspeed.initialize(
-      model=model, model_parameters=_groups(model), config=config
-    )
+  engine = _engine(spec, rank, config)
   world = dist.get_world_size()
 
   losses = []
@@ -405,21 +414,7 @@ def load_worker(name: str, src: str, out_dir: str, ep: int, stage: int) -> None:
   spec = dict(FIXTURES[name], ep=ep, stage=stage)
   rank = int(os.environ["RANK"])
   config = ds_config(spec) | {"checkpoint": {"load_universal": True}}
-  if spec["kind"] == "native":
-    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
-
-    model = native_model(ep, rank % ep)
-    param_groups = split_params_into_different_moe_groups_for_optimizer(_groups(model))
-    optimizer = torch.optim.AdamW(
-      param_groups, lr=LR[0], betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY[0]
-    )
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-  else:
-    autoep_shim()
-    model, _ = hf_model(spec["model"])
-    engine, _, _, _ = deepspeed.initialize(
-      model=model, model_parameters=_groups(model), config=config
-    )
+  engine = _engine(spec, rank, config)
   engine.load_checkpoint(src)
   # MOE_DEEPSPEED_ONLY=1: DeepSpeed's loader alone (to measure what it does without ucp_jax)
   moved = [] if os.environ.get("MOE_DEEPSPEED_ONLY") else ucp_jax.deepspeed.finish_load(engine, src)

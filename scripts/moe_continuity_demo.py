@@ -34,6 +34,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _continuity as continuity
+from _continuity import MeshTrainer, arithmetic_batch
 from _ds_launch import launch_ranks
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,12 +60,7 @@ STEPS = (3, 3, 3)  # K (DeepSpeed), N (JAX), M (DeepSpeed again)
 
 def batch(step: int):
   """The global batch of `step`: int64 `[GLOBAL_BATCH, SEQ + 1]` arithmetic sequences."""
-  import numpy as np
-
-  rng = np.random.default_rng([SEED, step])
-  start = rng.integers(0, CONFIG["vocab_size"], (GLOBAL_BATCH, 1))
-  stride = rng.integers(1, 5, (GLOBAL_BATCH, 1))
-  return (start + stride * np.arange(SEQ + 1)[None]) % CONFIG["vocab_size"]
+  return arithmetic_batch(SEED, step, GLOBAL_BATCH, SEQ, CONFIG["vocab_size"])
 
 
 def hf_model():
@@ -106,15 +103,8 @@ def rank_main(job_path: str) -> None:
   autoep_shim()
   job = DsJob(**json.loads(Path(job_path).read_text()))
   world = int(os.environ["WORLD_SIZE"])
-  config = {
-    "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
-    "gradient_accumulation_steps": 1,
-    "gradient_clipping": 0.0,
-    "steps_per_print": 1_000_000,
-    "optimizer": {"type": "AdamW", "params": {"torch_adam": True, **HYPER}},
-    "zero_optimization": {"stage": 1},
-    "expert_parallel": {"enabled": True, "autoep_size": job.ep, "preset_model": "mixtral"},
-  }
+  config = continuity.ds_config(GLOBAL_BATCH, world, HYPER, stage=1)
+  config["expert_parallel"] = {"enabled": True, "autoep_size": job.ep, "preset_model": "mixtral"}
   if job.load_dir:
     config["checkpoint"] = {"load_universal": True}
   model = hf_model()
@@ -125,22 +115,15 @@ def rank_main(job_path: str) -> None:
   if job.load_dir:
     engine.load_checkpoint(job.load_dir)
     ucp_deepspeed.finish_load(engine, job.load_dir)
-  losses, per = [], GLOBAL_BATCH // world
-  for i in range(job.steps):
-    if i == job.save_after:
-      engine.save_checkpoint(job.save_dir)
-    tokens = torch.from_numpy(batch(job.first + i)[rank * per : (rank + 1) * per])
-    logits = engine(input_ids=tokens[:, :-1]).logits
-    loss = torch.nn.functional.cross_entropy(
-      logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
-    )
-    engine.backward(loss)
-    engine.step()
-    gathered = [torch.zeros(1) for _ in range(world)]
-    dist.all_gather(gathered, loss.detach().reshape(1))
-    losses.append(sum(float(t) for t in gathered) / world)
-  if job.save_after == job.steps:
-    engine.save_checkpoint(job.save_dir)
+  losses = continuity.ds_train(
+    engine,
+    batch,
+    job.first,
+    job.steps,
+    logits=lambda engine, tokens: engine(input_ids=tokens).logits,
+    save=lambda: engine.save_checkpoint(job.save_dir),
+    save_after=job.save_after,
+  )
   if rank == 0:
     Path(job.out).write_text(json.dumps({"losses": losses}))
   dist.barrier()
@@ -157,60 +140,22 @@ def launch(world: int, job: DsJob, workdir: Path) -> list[float]:
   return json.loads(Path(job.out).read_text())["losses"]
 
 
-class JaxTrainer:
+class JaxTrainer(MeshTrainer):
   """FlaxMoe + optax.adamw (= torch AdamW) on a 2 x 2 x 2 (data, expert, model) mesh."""
 
   def __init__(self):
     import jax
-    import optax
     from flax import nnx
-    from jax.sharding import AxisType, NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import AxisType
 
     from ucp_jax import models, rules
 
-    self.mesh = jax.make_mesh(
-      (2, 2, 2), ("data", "expert", "model"), axis_types=(AxisType.Auto,) * 3
-    )
-    self.rules, cfg = rules.from_hf(hf_model())
+    mesh = jax.make_mesh((2, 2, 2), ("data", "expert", "model"), axis_types=(AxisType.Auto,) * 3)
+    _, cfg = rules.from_hf(hf_model())
     self.rules = rules.hf_moe(
       family="mixtral", num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, experts="autoep"
     )
-    self.model = models.build(cfg, rngs=nnx.Rngs(0), mesh=self.mesh)
-    tx = optax.adamw(
-      HYPER["lr"],
-      b1=HYPER["betas"][0],
-      b2=HYPER["betas"][1],
-      eps=HYPER["eps"],
-      weight_decay=HYPER["weight_decay"],
-    )
-    self.optimizer = nnx.Optimizer(self.model, tx, wrt=nnx.Param)
-    replicated = NamedSharding(self.mesh, P())
-    on_mesh = lambda x: x if len(x.devices()) > 1 else jax.device_put(x, replicated)  # noqa: E731
-    nnx.update(self.optimizer, jax.tree.map(on_mesh, nnx.state(self.optimizer)))
-    self.data = NamedSharding(self.mesh, P("data"))
-
-    @nnx.jit
-    def step(model, optimizer, tokens):
-      def loss_fn(m):
-        logits = m(tokens[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-      loss, grads = nnx.value_and_grad(loss_fn)(model)
-      optimizer.update(model, grads)
-      return loss
-
-    self._step = step
-
-  def train(self, first: int, steps: int) -> list[float]:
-    import jax
-    import numpy as np
-
-    out = []
-    for i in range(steps):
-      tokens = jax.device_put(batch(first + i).astype(np.int32), self.data)
-      out.append(float(self._step(self.model, self.optimizer, tokens)))
-    return out
+    super().__init__(models.build(cfg, rngs=nnx.Rngs(0), mesh=mesh), mesh, HYPER, batch)
 
 
 def main(argv=None) -> int:

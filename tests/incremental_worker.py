@@ -8,16 +8,13 @@ WORKDIR, and writes WORKDIR/result-PROCESS_ID.json; an exception exits non-zero.
 
 from __future__ import annotations
 
-import faulthandler
-import json
 import os
-import sys
-import traceback
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from multiprocess_run import worker_main
 
 import ucp_jax
 
@@ -91,27 +88,7 @@ SCENARIOS = {"local": local, "sha256": sha256, "object_store": object_store}
 
 
 def main() -> None:
-  scenario, process_id, num_processes, port, workdir = sys.argv[1:]
-  faulthandler.dump_traceback_later(float(os.environ.get("UCP_WORKER_TIMEOUT_S", 60)), exit=True)
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(
-    coordinator_address=f"127.0.0.1:{port}",
-    num_processes=int(num_processes),
-    process_id=int(process_id),
-    initialization_timeout=60,
-  )
-  result = {"process": jax.process_index()}
-  try:
-    result.update(SCENARIOS[scenario](workdir))
-    result["ok"] = True
-  except BaseException:
-    result["ok"] = False
-    result["traceback"] = traceback.format_exc()
-  with open(os.path.join(workdir, f"result-{process_id}.json"), "w") as f:
-    json.dump(result, f)
-  if not result["ok"]:
-    print(result["traceback"], file=sys.stderr)
-    sys.exit(1)
+  worker_main(SCENARIOS)
 
 
 if __name__ == "__main__":

@@ -10,17 +10,14 @@ The module also defines the global test data, which the parent imports.
 
 from __future__ import annotations
 
-import faulthandler
-import json
 import os
-import sys
 import time
-import traceback
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from multiprocess_run import worker_main
 
 import ucp_jax
 from ucp_jax.store import _writer
@@ -287,28 +284,7 @@ SCENARIOS = {
 
 
 def main() -> None:
-  scenario, process_id, num_processes, port, workdir = sys.argv[1:]
-  # A hung worker prints every thread's stack and exits, before the parent kills it.
-  faulthandler.dump_traceback_later(float(os.environ.get("UCP_WORKER_TIMEOUT_S", 60)), exit=True)
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(
-    coordinator_address=f"127.0.0.1:{port}",
-    num_processes=int(num_processes),
-    process_id=int(process_id),
-    initialization_timeout=60,
-  )
-  result = {"process": jax.process_index(), "local_devices": jax.local_device_count()}
-  try:
-    result.update(SCENARIOS[scenario](workdir))
-    result["ok"] = True
-  except BaseException:
-    result["ok"] = False
-    result["traceback"] = traceback.format_exc()
-  with open(os.path.join(workdir, f"result-{process_id}.json"), "w") as f:
-    json.dump(result, f)
-  if not result["ok"]:
-    print(result["traceback"], file=sys.stderr)
-    sys.exit(1)
+  worker_main(SCENARIOS)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ from jax.sharding import PartitionSpec as P
 from test_param_groups import FLAX_GROUPS, NAME, RULES, TORCH_GROUPS, TRAINABLE, Tiny, mk
 
 import ucp_jax
-from ucp_jax.store import _keypath
 from ucp_jax.tree import _tree
 
 B1, B2, EPS = 0.9, 0.99, 1e-8
@@ -42,7 +41,7 @@ def label_of(key: str) -> str:
 
 
 def _key(path) -> str:
-  return _keypath.from_path(path).removesuffix("/value")  # NNX variables end in `value`
+  return _tree.from_path(path).removesuffix("/value")  # NNX variables end in `value`
 
 
 def by_callable(fn: Callable[[str], Any]) -> Callable[[Any], Any]:

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ucp_jax
-from ucp_jax.store import _multihost
+from ucp_jax import _multihost
 from ucp_jax.tree import _save
 
 _WRITE = _save.Writer._write_entries
@@ -383,13 +383,13 @@ def test_bad_tree_raises_at_the_call(tmp_path):
 
 
 def test_multiprocess_save_async_overlaps_cross_process_steps(tmp_path, devices):
-  from test_multiprocess import _env, _free_port
+  from multiprocess_run import env, free_port
 
-  port = _free_port()
+  port = free_port()
   procs = [
     subprocess.Popen(
       [sys.executable, __file__, str(i), str(port), str(tmp_path)],
-      env=_env(4),
+      env=env(4),
       stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT,
       text=True,
@@ -522,7 +522,7 @@ def test_shards_copied_through_pinned_host_memory_save_the_state_of_the_call(
 ):
   # GPUs copy shards to pinned host memory (as Orbax does); CPU devices have that memory kind
   # too, so the same path runs here when the platform is let in.
-  from ucp_jax.store import _shards
+  from ucp_jax.tree import _device_arrays as _shards
 
   monkeypatch.setattr(_shards, "PINNED_PLATFORMS", ("cpu",))
   copies = []

@@ -318,7 +318,7 @@ def test_a_bundle_shorter_than_its_index_or_larger_than_its_array_is_refused(tmp
 
 
 def test_a_failed_bundle_write_closes_its_file(tmp_path, monkeypatch):
-  from ucp_jax.store import _direct
+  from ucp_jax.store import _chunk_writes as _direct
 
   real = _direct._encode
 

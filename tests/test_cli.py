@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import ucp_jax
-from ucp_jax import _cli
+from ucp_jax import _cli, _progress
 
 
 @pytest.fixture
@@ -147,7 +147,7 @@ def test_os_errors_and_interrupts_are_one_line(tmp_path, capsys, monkeypatch):
 
 
 def test_progress_lines_where_stderr_is_not_a_terminal(ckpt, capsys, monkeypatch):
-  monkeypatch.setattr(_cli.Reporter, "interval", 0.0)
+  monkeypatch.setattr(_progress.Reporter, "interval", 0.0)
   assert _cli.main(["verify", str(ckpt)]) == 0
   lines = capsys.readouterr().err.splitlines()
   assert lines[-1] == "verify: 168 B of 168 B (100%), at step", lines

@@ -31,7 +31,8 @@ def test_device_check_passes_on_cpu(tmp_path, devices):
   res = json.loads((tmp_path / "device_check.json").read_text())
   assert res["ok"] and res["devices"] == devices and res["platform"] == "cpu"
   assert len(res["checks"]) == 9 and all(c["ok"] for c in res["checks"]), res["checks"]
-  assert res["reshard_auto_picks"] == "host copies"
+  assert res["reshard_auto_picks"] == "device_put"  # 1 MiB arrays: below HOST_COPY_MIN_BYTES
+  assert "below 16 MiB" in res["reshard_auto_reason"]
   assert res["state_bytes"] == 16 << 20
   for name in (
     "ucp save",

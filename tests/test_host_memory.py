@@ -289,9 +289,12 @@ def test_reshards_reuse_freed_buffers(pool):
   np.testing.assert_array_equal(np.asarray(second["w"]), np.asarray(state["w"]))
 
 
-def test_reshard_auto_from_several_threads_at_once():
-  """Threads that start a new layout change together all run its first trial; the path is
-  settled only once both are measured."""
+@pytest.mark.parametrize("threshold, path", [(0, "host"), (1 << 30, "device_put")])
+def test_reshard_auto_from_several_threads_at_once(monkeypatch, threshold, path):
+  """Threads that make the same layout change at once all take the one path the rule gives."""
+  from ucp_jax.tree import _reshard
+
+  monkeypatch.setattr(_reshard, "HOST_COPY_MIN_BYTES", threshold)
   devices = np.array(jax.devices())
   fsdp = NamedSharding(Mesh(devices, ("x",)), P("x", None))
   tp = NamedSharding(Mesh(devices.reshape(2, 4), ("a", "b")), P("b", "a"))
@@ -312,11 +315,7 @@ def test_reshard_auto_from_several_threads_at_once():
   for t in threads:
     t.join()
   assert not errors
-  from ucp_jax.tree import _reshard
-
-  known = _reshard._AUTO.known(x, {"w": tp})
-  assert known["host"] is not None and known["device_put"] is not None
-  assert known["path"] in ("host", "device_put")
+  assert _reshard.reshard_method(x, {"w": tp})[0] == path
 
 
 def test_reshard_of_replicated_keys():
@@ -329,11 +328,11 @@ def test_reshard_of_replicated_keys():
 
 
 def test_plans_are_cached_for_hashable_arguments_and_computed_for_others():
-  from ucp_jax.store import _regions
+  from ucp_jax.store import _caches
 
   calls = []
 
-  @_regions.cached_when_hashable(maxsize=4)
+  @_caches.cached_when_hashable(maxsize=4)
   def plan(sharding, shape):
     calls.append(shape)
     return len(sharding)

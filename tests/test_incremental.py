@@ -18,7 +18,8 @@ from jax.sharding import PartitionSpec as P
 
 import ucp_jax
 from ucp_jax import _cli
-from ucp_jax.store import _reuse, _shards
+from ucp_jax.store import _reuse
+from ucp_jax.tree import _device_arrays as _shards
 
 
 def _frozen(devices) -> dict:

@@ -5,16 +5,11 @@ unchanged, and every step restores alone (here, on 1 process x 8 devices)."""
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import shutil
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import incremental_worker as worker
+import multiprocess_run
 import numpy as np
 import pytest
 
@@ -23,54 +18,14 @@ import ucp_jax
 pytestmark = pytest.mark.slow
 
 WORKER = Path(__file__).parent / "incremental_worker.py"
-ROOT = WORKER.parent.parent
 TIMEOUT_S = 120
 
 
 def _run(scenario: str, workdir: Path, processes: int = 2) -> None:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-  env = dict(
-    os.environ,
-    XLA_FLAGS=" ".join([*flags, "--xla_force_host_platform_device_count=4"]),
-    JAX_PLATFORMS="cpu",
-    PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
-    UCP_WORKER_TIMEOUT_S="90",
+  results = multiprocess_run.run_workers(
+    WORKER, scenario, workdir, processes=processes, worker_timeout_s=90, timeout_s=TIMEOUT_S
   )
-  logs = [open(workdir / f"log-{i}.txt", "w+") for i in range(processes)]  # noqa: SIM115
-  procs = [
-    subprocess.Popen(
-      [sys.executable, str(WORKER), scenario, str(i), str(processes), str(port), str(workdir)],
-      env=env,
-      cwd=ROOT,
-      stdout=log,
-      stderr=subprocess.STDOUT,
-    )
-    for i, log in enumerate(logs)
-  ]
-  deadline = time.monotonic() + TIMEOUT_S
-  for proc in procs:
-    try:
-      proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-      break
-  for proc in procs:
-    if proc.poll() is None:
-      proc.kill()
-      proc.wait()
-  outputs = []
-  for log in logs:
-    log.seek(0)
-    outputs.append(log.read())
-    log.close()
-  if any(p.returncode for p in procs):
-    pytest.fail(
-      "\n".join(f"--- process {i} ---\n{o}" for i, o in enumerate(outputs)), pytrace=False
-    )
-  for i in range(processes):
-    assert json.loads((workdir / f"result-{i}.json").read_text())["ok"]
+  assert all(r["ok"] for r in results)
 
 
 def _shared(a: Path, b: Path) -> set[str]:

@@ -1,9 +1,11 @@
-"""The package's layers import only downwards, and the converters stay free of JAX.
+"""The package's layers import only downwards, the store imports no jax, and the converters
+stay free of JAX.
 
-Each subpackage is a layer (DESIGN.md): store < tree < mapping; parallel patterns, sources
-and sinks above the store; integrations above all of those; the public modules and the CLI
-on top. A module may import its own layer and the layers below it (imports only for type
-checking are exempt); these tests fail on the first import that reaches up or sideways.
+Each subpackage is a layer (README's Layout): `_errors` and `_multihost` (the processes of a
+run) below everything; store < tree < mapping; parallel patterns, sources and sinks above
+the store; integrations above all of those; the public modules and the CLI on top. A module
+may import its own layer and the layers below it (imports only for type checking are
+exempt); these tests fail on the first import that reaches up or sideways.
 """
 
 import ast
@@ -13,16 +15,19 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ucp_jax"
 
+BASE = {"_errors", "_multihost"}
+"""Modules every layer may import."""
 BELOW = {
   "_errors": set(),
-  "store": {"_errors"},
-  "tree": {"store", "_errors"},
-  "mapping": {"tree", "store", "_errors"},
-  "parallel": {"store", "_errors"},
-  "sources": {"parallel", "store", "_errors"},
-  "sinks": {"sources", "mapping", "tree", "store", "_errors"},
-  "integrations": {"sinks", "mapping", "tree", "store", "_errors"},
-  "models": {"store", "_errors"},
+  "_multihost": {"_errors"},
+  "store": BASE,
+  "tree": {"store", *BASE},
+  "mapping": {"tree", "store", *BASE},
+  "parallel": {"store", *BASE},
+  "sources": {"parallel", "store", *BASE},
+  "sinks": {"sources", "mapping", "tree", "store", *BASE},
+  "integrations": {"sinks", "mapping", "tree", "store", *BASE},
+  "models": {"tree", "store", *BASE},
 }
 """Layer -> the layers it may import (the top level may import anything)."""
 
@@ -67,6 +72,57 @@ def test_every_import_goes_down_the_layers():
       if target != layer and target not in BELOW[layer]:
         bad.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {layer} imports {imported}")
   assert not bad, "imports that go up or sideways:\n" + "\n".join(bad)
+
+
+NO_JAX = ("jax", "jaxlib", "flax", "optax", "orbax")
+"""Packages the store never imports: it knows host buffers, files and processes, not devices."""
+
+
+def _jax_uses(path: Path) -> list[tuple[int, str]]:
+  """(line, text) of every import of a JAX package in `path`, type-checking ones included, and
+  every reach for one through `sys.modules` or `importlib`."""
+  source = path.read_text()
+  out = []
+  for node in ast.walk(ast.parse(source)):
+    names = []
+    if isinstance(node, ast.Import):
+      names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.level == 0:
+      names = [node.module or ""]
+    elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+      names = [node.value] if node.value.split(".")[0] in NO_JAX else []
+      names = [n for n in names if n == n.strip() and " " not in n]  # a module name, not prose
+    if any(n.split(".")[0] in NO_JAX for n in names):
+      out.append((node.lineno, ast.get_source_segment(source, node) or names[0]))
+  return out
+
+
+def test_the_store_imports_no_jax():
+  bad = [
+    f"{path.relative_to(PACKAGE.parent)}:{line}: {text}"
+    for path in sorted((PACKAGE / "store").rglob("*.py"))
+    for line, text in _jax_uses(path)
+  ]
+  assert not bad, "the store reaches for JAX:\n" + "\n".join(bad)
+
+
+def test_the_jax_check_sees_every_way_in(tmp_path):
+  module = tmp_path / "m.py"
+  for code in (
+    "import jax",
+    "import jax.numpy as jnp",
+    "from jax import sharding",
+    "from jax.experimental import multihost_utils",
+    "if TYPE_CHECKING:\n  import jax",
+    "jax = sys.modules['jax']",
+    'jax = sys.modules.get("jax")',
+    "jax = importlib.import_module('jax')",
+    "import flax.nnx",
+  ):
+    module.write_text(code + "\n")
+    assert _jax_uses(module), code
+  module.write_text('"""Knows nothing of jax meshes."""\nimport numpy, tensorstore, ml_dtypes\n')
+  assert not _jax_uses(module)
 
 
 def test_no_module_reaches_into_another_modules_private_names():

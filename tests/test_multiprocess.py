@@ -7,11 +7,9 @@ single-process side (1 process x 8 devices) runs here, on conftest's 8 devices.
 import json
 import os
 import socket
-import subprocess
-import sys
-import time
 
 import jax
+import multiprocess_run
 import multiprocess_worker as worker
 import numpy as np
 import pytest
@@ -23,79 +21,21 @@ import ucp_jax
 pytestmark = pytest.mark.slow
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multiprocess_worker.py")
-ROOT = os.path.dirname(os.path.dirname(WORKER))
 WORKER_TIMEOUT_S = 60  # a worker dumps its stacks and exits after this long
 TIMEOUT_S = WORKER_TIMEOUT_S + 30  # then the parent kills what is left
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def _env(devices_per_process: int) -> dict:
-  flags = [
-    f
-    for f in os.environ.get("XLA_FLAGS", "").split()
-    if not f.startswith("--xla_force_host_platform_device_count")
-  ]
-  flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
-  path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-  return dict(
-    os.environ,
-    XLA_FLAGS=" ".join(flags),
-    JAX_PLATFORMS="cpu",
-    PYTHONPATH=path,
-    UCP_WORKER_TIMEOUT_S=str(WORKER_TIMEOUT_S),
-  )
-
-
 def run_workers(scenario: str, workdir, *, processes: int = 2, devices: int = 4) -> list[dict]:
   """Runs `scenario` on `processes` processes; returns each one's result, or fails the test."""
-  port = _free_port()
-  env = _env(devices)
-  logs = [open(workdir / f"log-{scenario}-{i}.txt", "w+") for i in range(processes)]  # noqa: SIM115
-  procs = [
-    subprocess.Popen(
-      [sys.executable, WORKER, scenario, str(i), str(processes), str(port), str(workdir)],
-      env=env,
-      cwd=ROOT,
-      stdout=log,
-      stderr=subprocess.STDOUT,
-    )
-    for i, log in enumerate(logs)
-  ]
-  deadline = time.monotonic() + TIMEOUT_S
-  hung = False
-  for proc in procs:
-    try:
-      proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-      hung = True
-      break
-  for proc in procs:
-    if proc.poll() is None:
-      proc.kill()
-      proc.wait()
-  outputs = []
-  for log in logs:
-    log.seek(0)
-    outputs.append(log.read())
-    log.close()
-  if hung or any(p.returncode for p in procs):
-    report = "\n".join(
-      f"--- process {i} (exit code {p.returncode}) ---\n{out}"
-      for i, (p, out) in enumerate(zip(procs, outputs))
-    )
-    why = f"hung for {TIMEOUT_S} s and was killed" if hung else "failed"
-    pytest.fail(f"multi-process scenario {scenario!r} {why}:\n{report}", pytrace=False)
-  results = []
-  for i in range(processes):
-    with open(workdir / f"result-{i}.json") as f:
-      results.append(json.load(f))
-    os.remove(workdir / f"result-{i}.json")
-  return results
+  return multiprocess_run.run_workers(
+    WORKER,
+    scenario,
+    workdir,
+    processes=processes,
+    devices=devices,
+    worker_timeout_s=WORKER_TIMEOUT_S,
+    timeout_s=TIMEOUT_S,
+  )
 
 
 def _leftovers(directory) -> list[str]:

@@ -20,6 +20,11 @@ def _x(*shape, seed=0):
   return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
 
+def _autotp_widths(size: int, degree: int) -> list[int]:
+  """DeepSpeed AutoTP's uneven split: the first `size % degree` ranks get one more."""
+  return [size // degree + (r < size % degree) for r in range(degree)]
+
+
 @st.composite
 def _cases(draw):
   """(pattern, logical shape, degree) for every kind, with even and uneven widths."""
@@ -35,7 +40,7 @@ def _cases(draw):
     n = degree * draw(st.integers(1, 3))
     return pt.expert(n), (n, other, 2), degree, None
   size = draw(st.integers(degree, 9))
-  widths = None if size % degree == 0 else [pt.autotp_widths(size, degree)]
+  widths = None if size % degree == 0 else [_autotp_widths(size, degree)]
   shape = (size, other) if kind == "column" else (other, size)
   return pt.Pattern(kind), shape, degree, widths
 

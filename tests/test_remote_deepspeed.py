@@ -173,7 +173,7 @@ def test_a_large_checkpoint_fetches_each_tensor_byte_once(tmp_path, monkeypatch,
 
 def _tensors(tree):
   """Every located tensor in a loaded tree."""
-  from ucp_jax.sources.torch._torch_zip import ByteSpan
+  from ucp_jax.sources.torch._byte_span import ByteSpan
 
   if isinstance(tree, ByteSpan):
     yield tree

@@ -333,17 +333,13 @@ def test_reshard_matches_device_put():
   np.testing.assert_array_equal(np.asarray(src), data)  # input untouched
 
 
-@pytest.mark.parametrize(
-  "faster, slow, columns",  # each case a change of its own (its own array width)
-  [
-    ("host", {"host": 0.1, "device_put": 0.5}, 40),
-    ("device_put", {"host": 0.5, "device_put": 0.1}, 56),
-    ("host", {"host": 0.1, "device_put": 0.095}, 72),  # not clearly faster: the host copy stays
-  ],
-)
-def test_reshard_auto_settles_on_the_faster_path(monkeypatch, faster, slow, columns):
+@pytest.mark.parametrize("columns, threshold, path", [(40, 0, "host"), (56, 1 << 40, "device_put")])
+def test_reshard_auto_follows_a_fixed_rule(monkeypatch, columns, threshold, path):
+  """`auto` picks by the arrays' mean size against HOST_COPY_MIN_BYTES (CPU, one process):
+  the same inputs take the same path on every call, and `reshard_method` says which."""
   from ucp_jax.tree import _reshard
 
+  monkeypatch.setattr(_reshard, "HOST_COPY_MIN_BYTES", threshold)
   src = NamedSharding(MESHES["8"](), P("x"))
   dst = NamedSharding(MESHES["2x4"](), P("y", "x"))
   x = jax.device_put(np.arange(64 * columns, dtype=np.float32).reshape(64, -1), src)
@@ -353,29 +349,47 @@ def test_reshard_auto_settles_on_the_faster_path(monkeypatch, faster, slow, colu
     monkeypatch.setattr(
       _reshard, name, lambda a, t, real=real, name=name: used.append(name) or real(a, t)
     )
-  # Timed: the host copy's first two calls and device_put's second and third (the faster of
-  # each counts: fresh memory, a compile or a cold allocator make the first ones slower).
-  host, device_put = slow["host"], slow["device_put"]
-  clock = iter(
-    [0.0, 4 * host, 5.0, 5.0 + host, 10.0, 10.0 + 3 * device_put, 20.0, 20.0 + device_put]
-  )
-  monkeypatch.setattr(_reshard.time, "perf_counter", lambda: next(clock))
   want = np.asarray(x)
   for _ in range(7):
     out = ucp_jax.reshard({"w": x}, {"w": dst})["w"]
     assert out.sharding == dst
     np.testing.assert_array_equal(np.asarray(out), want)
-  # Two host copies, device_put compiling, device_put timed twice, then the faster.
-  path = "_host_reshard" if faster == "host" else "_device_put"
-  assert used == [*["_host_reshard"] * 2, *["_device_put"] * 3, path, path]
-  known = _reshard._AUTO.known({"w": x}, {"w": dst})
-  assert known["calls"] == 5 and {k: known[k] for k in slow} == pytest.approx(slow)
-  assert known["path"] == faster
+  assert used == [f"_{path}" if path == "device_put" else "_host_reshard"] * 7
+  assert _reshard.reshard_method({"w": x}, {"w": dst})[0] == path
+
+
+def test_reshard_auto_rule_reads_sizes_platforms_and_processes():
+  from ucp_jax.tree import _reshard
+
+  src = NamedSharding(MESHES["8"](), P("x"))
+  dst = NamedSharding(MESHES["2x4"](), P("y", "x"))
+  small = jax.device_put(np.zeros((64, 64), np.float32), src)
+  big = jax.device_put(np.zeros((2048, 2048 + 64), np.float32), src)  # 16.5 MiB
+  assert _reshard.reshard_method({"w": small}, dst) == (
+    "device_put",
+    "CPU arrays of 0.02 MiB on average, below 16 MiB: device_put's lower cost per array wins",
+  )
+  assert _reshard.reshard_method({"w": big}, dst) == (
+    "host",
+    "CPU arrays of this process, 16.5 MiB each on average",
+  )
+  # one large and one small array: their mean decides
+  bigger = jax.device_put(np.zeros((2048, 4096 + 64), np.float32), src)  # 32.5 MiB
+  assert _reshard.reshard_method({"a": big, "b": small}, dst)[0] == "device_put"
+  assert _reshard.reshard_method({"a": bigger, "b": small}, dst)[0] == "host"
+
+
+def test_reshard_refuses_an_unknown_method():
+  x = jnp.ones(8)
+  dst = NamedSharding(MESHES["8"](), P("x"))
+  with pytest.raises(ucp_jax.InvalidArgumentError, match=r"method='fast': use 'auto'"):
+    ucp_jax.reshard({"w": x}, dst, method="fast")
 
 
 def test_reshard_auto_survives_a_failed_move(monkeypatch):
   from ucp_jax.tree import _reshard
 
+  monkeypatch.setattr(_reshard, "HOST_COPY_MIN_BYTES", 0)  # auto: the host copy
   src = NamedSharding(MESHES["8"](), P("x"))
   dst = NamedSharding(MESHES["2x4"](), P("x", "y"))
   x = jax.device_put(np.arange(8 * 24, dtype=np.float32).reshape(8, 24), src)
@@ -384,17 +398,16 @@ def test_reshard_auto_survives_a_failed_move(monkeypatch):
 
   def host(a, t):
     if fail.pop() if fail else False:
-      raise KeyboardInterrupt  # the first, timed host copy is interrupted
+      raise KeyboardInterrupt  # the first host copy is interrupted
     return real(a, t)
 
   monkeypatch.setattr(_reshard, "_host_reshard", host)
   with pytest.raises(KeyboardInterrupt):
     ucp_jax.reshard({"w": x}, {"w": dst})
-  for _ in range(7):  # it makes again the trial that failed, then settles
+  for _ in range(7):  # the same path again, whole
     out = ucp_jax.reshard({"w": x}, {"w": dst})["w"]
     np.testing.assert_array_equal(np.asarray(out), np.asarray(x))
-  known = _reshard._AUTO.known({"w": x}, {"w": dst})
-  assert known["calls"] == 5 and known["host"] is not None and known["device_put"] is not None
+  assert _reshard.reshard_method({"w": x}, {"w": dst})[0] == "host"
 
 
 def test_reshard_keys_and_one_sharding_for_all():

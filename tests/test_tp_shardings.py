@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import ucp_jax
 from ucp_jax.store import _chunks, _direct
+from ucp_jax.tree import _tree
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "tp", "autotp_tp2_dp2", "ckpt")
 
@@ -24,7 +25,7 @@ def converted(tmp_path_factory):
 def _leaves(tree):
   return dict(
     zip(
-      [ucp_jax.store._keypath.from_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)],
+      [_tree.from_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)],
       jax.tree_util.tree_leaves(tree),
     )
   )

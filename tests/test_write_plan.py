@@ -120,3 +120,57 @@ def test_a_region_not_on_chunk_boundaries_is_never_cut():
   assert _write_plan.split(region, (4, 8), (19, 8), 4) == (region,)
   cut = _write_plan.split((slice(0, 19), slice(0, 8)), (4, 8), (19, 8), 2)
   assert cut == ((slice(0, 8), slice(0, 8)), (slice(8, 19), slice(0, 8)))
+
+
+class _Unhashable:
+  """A custom sharding that cannot be hashed: its plans are made on every call."""
+
+  __hash__ = None
+
+  def __init__(self, sharding):
+    self._sharding = sharding
+    self.calls = 0
+
+  @property
+  def device_set(self):
+    return self._sharding.device_set
+
+  def devices_indices_map(self, shape):
+    self.calls += 1
+    return self._sharding.devices_indices_map(shape)
+
+
+def test_an_unhashable_sharding_is_planned_each_time_not_refused():
+  sharding = NamedSharding(
+    simulated_mesh((4, 4), ("data", "model"), per_process=4), P(None, "model")
+  )
+  custom = _Unhashable(sharding)
+  shape, chunks = (64, 32), (8, 8)
+  for _ in range(2):
+    assert _write_plan.writers(custom, shape) == _write_plan.writers(sharding, shape) == 4
+    for p in range(4):
+      assert _write_plan.of_sharding("k", custom, shape, chunks, p) == _write_plan.of_sharding(
+        "k", sharding, shape, chunks, p
+      )
+  assert custom.calls == 2 * (1 + 4)  # never cached: `writers` once, the plan once per process
+
+
+def test_clear_caches_empties_every_plan_cache():
+  from ucp_jax.store import _caches
+
+  made = []
+  memo = _caches.Memo(maxsize=2)
+  assert memo.get("a", lambda: made.append("a") or 1) == memo.get("a", lambda: 2) == 1
+  assert memo.get(["unhashable"], lambda: made.append("u") or 3) == 3
+  assert memo.get(["unhashable"], lambda: made.append("u") or 3) == 3
+  assert made == ["a", "u", "u"]
+  memo.get("b", lambda: 0)
+  memo.get("c", lambda: 0)  # full: emptied whole, then "c" kept
+  assert memo.get("a", lambda: made.append("a") or 4) == 4
+
+  sharding = NamedSharding(simulated_mesh((2, 2), ("a", "b"), per_process=2), P("a"))
+  _write_plan.writers(sharding, (8, 8))
+  assert _write_plan._CACHE.get(("writers", sharding, (8, 8)), lambda: "made") != "made"
+  _caches.clear_caches()
+  assert _write_plan._CACHE.get(("writers", sharding, (8, 8)), lambda: "made") == "made"
+  assert memo.get("a", lambda: "again") == "again"

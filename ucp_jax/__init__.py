@@ -6,7 +6,6 @@ mesh, restore onto any other, and convert PyTorch/DeepSpeed checkpoints in and o
 """
 
 from ucp_jax import _startup  # noqa: F401  (first: Ctrl-C while the `ucp` command starts)
-from ucp_jax import sources as _sources  # noqa: F401  (lets `open` read other formats)
 from ucp_jax._errors import ArrayNotFoundError as ArrayNotFoundError
 from ucp_jax._errors import CheckpointExistsError as CheckpointExistsError
 from ucp_jax._errors import CheckpointNotFoundError as CheckpointNotFoundError
@@ -28,13 +27,16 @@ from ucp_jax._errors import TreeMismatchError as TreeMismatchError
 from ucp_jax._errors import UcpError as UcpError
 from ucp_jax._errors import UnsafePickleError as UnsafePickleError
 from ucp_jax._errors import UnsupportedLeafError as UnsupportedLeafError
+from ucp_jax.sources import _view as _source_view
+from ucp_jax.store import _reader as _store_reader
+from ucp_jax.store._checkpoint import Checkpoint as Checkpoint
 from ucp_jax.store._manifest import ArrayInfo as ArrayInfo
 from ucp_jax.store._manifest import Manifest as Manifest
-from ucp_jax.store._reader import Checkpoint as Checkpoint
 from ucp_jax.store._reader import open as open
 from ucp_jax.store._zarr_python import register_when_imported as _register_zarr_dtypes
 
 _register_zarr_dtypes()  # zarr-python reads bfloat16 and float8 arrays
+_store_reader.read_other_formats_with(_source_view.open_source)  # `open`: any source format too
 
 # The rest loads on first use (PEP 562), so `ucp inspect`, `ucp convert` and the
 # converters start without importing jax.
@@ -50,6 +52,7 @@ _LAZY = {
   "diff": ("ucp_jax._diff", "diff"),
   "export": ("ucp_jax._api", "export"),
   "reshard": ("ucp_jax.tree._reshard", "reshard"),
+  "reshard_method": ("ucp_jax.tree._reshard", "reshard_method"),
   "restore": ("ucp_jax.tree._restore", "restore"),
   "save": ("ucp_jax.tree._save", "save"),
   "tp_shardings": ("ucp_jax.parallel._tp_shardings", "tp_shardings"),
@@ -110,6 +113,7 @@ __all__ = [
   "export",
   "open",
   "reshard",
+  "reshard_method",
   "restore",
   "restore_train_state",
   "rules",

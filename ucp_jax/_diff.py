@@ -126,6 +126,16 @@ def diff(
     atol, rtol: an element matches when |a - b| <= atol + rtol * |b|; the defaults ask
       for equal values (NaN matches NaN).
     progress: called as `progress(key, nbytes, total)` after each array.
+
+  Returns:
+    A `DiffReport`: the arrays compared (largest absolute and relative differences,
+    elements off), those only in `a` or only in `b`, `same_within_tolerance`, and
+    `verdict()`, one line that says it.
+
+  Raises:
+    CheckpointNotFoundError, SourceFormatError: `a` or `b` is no checkpoint `open` reads.
+    MappingError: `rules` cannot carry `b`'s names onto `a`'s keys.
+    CorruptCheckpointError: a chunk of either fails its checksum.
   """
   ckpt_a, ckpt_b = _reader.open(a), _reader.open(b)
   rules = _rule_specs.parse(rules, ckpt_b, flax_side=ckpt_a)
@@ -146,7 +156,7 @@ def diff(
       progress(key, ckpt_a[key].nbytes, total)
   only_b = sorted(of_b[k] for k in set(of_b) - set(keys_a))
   return DiffReport(
-    a=str(getattr(ckpt_a, "location", a)),
+    a=str(ckpt_a.location),
     b=os.fspath(b) if isinstance(b, (str, os.PathLike)) else str(b),
     only_a=tuple(k for k in keys_a if k not in of_b),
     only_b=tuple(only_b),

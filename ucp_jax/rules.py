@@ -59,6 +59,16 @@ from ucp_jax.store import _reader, _untrusted
 def transpose(axes: Sequence[int] | None = None) -> Transform:
   """Permutes axes like `np.transpose` (default: reverses them).
 
+  Args:
+    axes: the new order of the axes; None reverses them (torch `[out, in]` <-> `[in, out]`).
+
+  Returns:
+    A `Transform` for a `Rule`; export applies the inverse permutation.
+
+  Raises:
+    MappingError: when a rule applies it to an array of another rank (raised then, with
+      every other unmatched name of the rule set).
+
   Example:
     >>> from ucp_jax import rules
     >>> rules.transpose().shape((8, 4), "float32")[0]
@@ -69,6 +79,16 @@ def transpose(axes: Sequence[int] | None = None) -> Transform:
 
 def split(axis: int, sizes: Sequence[int]) -> Transform:
   """Splits axis `axis` into `len(sizes)` axes (one size may be -1); inverse: `merge`.
+
+  Args:
+    axis: the axis to split.
+    sizes: the sizes of the new axes, in order; one may be -1 (the rest of the axis).
+
+  Returns:
+    A `Transform` for a `Rule`; export merges the axes again.
+
+  Raises:
+    MappingError: when a rule applies it to an axis the sizes do not divide.
 
   Example:
     >>> from ucp_jax import rules
@@ -81,6 +101,16 @@ def split(axis: int, sizes: Sequence[int]) -> Transform:
 def merge(axis: int, sizes: Sequence[int]) -> Transform:
   """Merges the `len(sizes)` axes from `axis` (sizes as `split`'s) into one; inverse: `split`.
 
+  Args:
+    axis: the first of the axes to merge.
+    sizes: the sizes of the merged axes (one may be -1), which export splits back into.
+
+  Returns:
+    A `Transform` for a `Rule`.
+
+  Raises:
+    MappingError: when a rule applies it to axes of other sizes.
+
   Example:
     >>> from ucp_jax import rules
     >>> rules.merge(1, (12, -1)).shape((768, 12, 64), "float32")[0]
@@ -91,6 +121,16 @@ def merge(axis: int, sizes: Sequence[int]) -> Transform:
 
 def cast(dtype: str | np.dtype, source: str | np.dtype | None = None) -> Transform:
   """Converts to `dtype` on import; export converts back to `source` when given.
+
+  Args:
+    dtype: the dtype on the JAX side (a name or a numpy dtype: `"float32"`, `"bfloat16"`).
+    source: the dtype to write back on export; None keeps `dtype`.
+
+  Returns:
+    A `Transform` for a `Rule`.
+
+  Raises:
+    TypeError: `dtype` or `source` is no dtype numpy knows.
 
   Example:
     >>> from ucp_jax import rules
@@ -107,6 +147,18 @@ def sub_param(axis: int, sizes: Sequence[int], index: int) -> Transform:
   Several rules may match one name when each takes a different sub-parameter of it; the
   `sub_param` must be a rule's first transform.
 
+  Args:
+    axis: the fused axis.
+    sizes: the relative sizes of the sub-parameters along it, in order (heads, say).
+    index: which sub-parameter this rule takes.
+
+  Returns:
+    A `Transform` for a `Rule`.
+
+  Raises:
+    MappingError: when a rule applies it to an axis `sizes` do not divide, or not as its
+      first transform.
+
   Example (Phi-3's `qkv_proj`, 4 query heads and 2 key/value heads of width 8):
     >>> from ucp_jax import rules
     >>> rules.sub_param(0, (4, 2, 2), 1).shape((64, 32), "float32")[0]  # the keys' rows
@@ -120,6 +172,17 @@ def stack(group: int = 0, *, axis: int = 0) -> Transform:
 
   Transforms listed before it apply to each layer, those after it to the stack;
   export unstacks. Layers must be numbered 0..n-1.
+
+  Args:
+    group: the regex capture group of the rule that numbers the layers.
+    axis: where the new layer axis goes in the stacked array.
+
+  Returns:
+    A `Transform` for a `Rule`.
+
+  Raises:
+    MappingError: when the rule is applied to layers not numbered 0..n-1, or of
+      different shapes or dtypes.
 
   Example:
     >>> from ucp_jax import rules
@@ -162,6 +225,11 @@ def from_hf(
       `""`). Default: read from the weight names when `config` brings them (a folder, a
       checkpoint, a model), else from `architectures` (`...ForCausalLM` and
       `GPT2LMHeadModel`: the prefix; a bare `LlamaModel` or `GPT2Model`: none).
+
+  Returns:
+    `(rules, cfg)`: the `RuleSet` between the model's `transformers` names and the Flax
+    model's keys, and the Flax config (`GPTConfig`, `LlamaConfig`, `NeoXConfig` or
+    `MoeConfig`) that `ucp_jax.models.build` takes.
 
   Raises:
     MappingError: a model type without a ready rule set, a feature the reference models do

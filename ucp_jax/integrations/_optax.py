@@ -30,6 +30,7 @@ import numpy as np
 
 from ucp_jax import _errors
 from ucp_jax.store import _keypath
+from ucp_jax.tree import _tree
 
 TRANSLATED = {  # optax state -> (group kind, {field: universal slot})
   "ScaleByAdamState": ("adam", {"mu": "exp_avg", "nu": "exp_avg_sq"}),
@@ -53,10 +54,6 @@ class Group:
   kind: str  # "adam", "sgd", or the optax state's class (no torch names for its slots)
   count_key: str | None
   hyperparams_prefix: str | None  # the nearest `inject_hyperparams` state's `hyperparams`
-
-  @property
-  def translated(self) -> bool:
-    return self.kind in ("adam", "sgd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,7 +222,7 @@ def _nodes(tree: Any, prefix: str) -> list[tuple[str, Any]]:
   pairs, _ = jax.tree_util.tree_flatten_with_path(
     tree, is_leaf=lambda x: _is_state(x) or _is_variable(x) or is_placeholder(x)
   )
-  return [(_keypath.under(prefix, _keypath.from_path(path)), x) for path, x in pairs]
+  return [(_keypath.under(prefix, _tree.from_path(path)), x) for path, x in pairs]
 
 
 def _is_state(x: Any) -> bool:

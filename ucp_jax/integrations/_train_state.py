@@ -56,6 +56,14 @@ def save_train_state(
       appear in the optimizer state: `optax.multi_transform` by label, sorted). Needed for a
       DeepSpeed export unless the optimizer uses `optax.inject_hyperparams`.
     **save_options: passed to `ucp_jax.save` (`overwrite`, `metadata`, ...).
+
+  Returns:
+    The checkpoint's location, as `ucp_jax.save` returns it.
+
+  Raises:
+    MappingError: `hyperparams` for another number of groups than the optimizer has.
+    UcpError: whatever `ucp_jax.save` raises (a checkpoint in the way, a leaf it cannot
+      store, an earlier `save_async`'s error).
   """
   layout = _train_layout.layout(model, optimizer)
   flat, _ = _tree.flatten(layout.tree)
@@ -106,6 +114,9 @@ def restore_train_state(
   `inject_hyperparams` states take its groups' hyperparameters, `optax.MultiSteps` starts
   an empty accumulation; buffers are restored where `rules` map them onto model variables.
 
+  Returns:
+    For NNX, `(model, optimizer)`, updated in place; for Linen, a new `TrainState`.
+
   Raises:
     MappingError: unmapped names, missing optimizer slots, Optax state that a converted
       checkpoint cannot hold (Lion, Adafactor, `optax.ema`, ...), Optax groups that are
@@ -115,6 +126,17 @@ def restore_train_state(
       adam's and adamw's, restore into each other): all listed at once, before any array
       is read.
     ShardingError: an abstract target on an `AbstractMesh` and no mesh to place it on.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, ucp_jax
+    >>> from flax import nnx
+    >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    >>> opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    >>> _ = ucp_jax.save_train_state("/tmp/ucp_doc_rts", model, opt, overwrite=True)
+    >>> model.kernel[...] = jnp.zeros((2, 3))
+    >>> _ = ucp_jax.restore_train_state("/tmp/ucp_doc_rts", model, opt)
+    >>> bool(model.kernel[...].any())
+    True
   """
   ckpt = _reader.open(path)
   layout = _train_layout.layout(model, optimizer)

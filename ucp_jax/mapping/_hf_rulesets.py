@@ -90,6 +90,15 @@ def hf_llama(
     fused: Phi-3's names: `self_attn.qkv_proj.weight` (queries, keys and values stacked) and
       `mlp.gate_up_proj.weight` (gate, then up), each read as sub-parameters (lazily: a view
       of each slice) and fused again on export.
+
+  Returns:
+    A `RuleSet` between `transformers` Llama-family names and `FlaxLlama`'s keys.
+
+  Raises:
+    InvalidArgumentError: `norms` or `qk_norm` is none of the values above, or `prefix` is not a string.
+    MappingError: raised later, where the rules are applied (`restore`, `load_into`,
+      `import_arrays`), for arrays they do not fit (a head count that does not divide a
+      width, say); every such name is listed at once.
   """
   _check_options(
     "hf_llama",
@@ -180,6 +189,15 @@ def hf_gpt2(
     stacked: one array per parameter with a leading layer axis (`nnx.scan`).
     prefix: what precedes `wte`, `h` and `ln_f` in the names: `transformer.` for
       `GPT2LMHeadModel`, `""` for a bare `GPT2Model` (the original `gpt2` checkpoints).
+
+  Returns:
+    A `RuleSet` between `transformers` GPT-2 names and `FlaxGPT`'s keys.
+
+  Raises:
+    InvalidArgumentError: `prefix` is not a string.
+    MappingError: raised later, where the rules are applied (`restore`, `load_into`,
+      `import_arrays`), for arrays they do not fit (a head count that does not divide a
+      width, say); every such name is listed at once.
   """
   _check_options("hf_gpt2", num_heads=num_heads, tied=tied, stacked=stacked, prefix=prefix)
   heads = (num_heads, -1)
@@ -242,6 +260,15 @@ def hf_gpt_neox(
     stacked: one array per parameter with a leading layer axis (`nnx.scan`).
     prefix: what precedes `embed_in`, `layers` and `final_layer_norm`.
     head: the head's name, `lm_head` or `embed_out`.
+
+  Returns:
+    A `RuleSet` between `transformers` GPT-NeoX names and `FlaxNeoX`'s keys.
+
+  Raises:
+    InvalidArgumentError: `head` is neither `lm_head` nor `embed_out`, or `prefix` is not a string.
+    MappingError: raised later, where the rules are applied (`restore`, `load_into`,
+      `import_arrays`), for arrays they do not fit (a head count that does not divide a
+      width, say); every such name is listed at once.
   """
   _check_options("hf_gpt_neox", num_heads=num_heads, tied=tied, stacked=stacked, prefix=prefix)
   if head not in ("lm_head", "embed_out"):

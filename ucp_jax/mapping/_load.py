@@ -20,6 +20,7 @@ import tensorstore as ts
 
 from ucp_jax.mapping._mapping import RuleSet
 from ucp_jax.store import _keypath, _location, _reader
+from ucp_jax.store._checkpoint import Checkpoint
 from ucp_jax.store._manifest import ArrayInfo, Manifest
 from ucp_jax.tree import _restore
 
@@ -39,7 +40,7 @@ def as_numpy(x: Any) -> np.ndarray:
   return np.asarray(x)
 
 
-class ArraysCheckpoint(_reader.Checkpoint):
+class ArraysCheckpoint(Checkpoint):
   """In-memory arrays by name, as a read-only checkpoint (for `restore` and rule-set views)."""
 
   checksummed = False
@@ -53,17 +54,18 @@ class ArraysCheckpoint(_reader.Checkpoint):
     manifest = Manifest(arrays=infos, tree=_keypath.structure(sorted(infos)), created="")
     super().__init__(_location.resolve(f"memory://{where}/"), manifest)
 
-  def files(self, key: str) -> None:
-    self[key]
-
   def open_future(self, key: str) -> ts.Future:
     self[key]
     promise, future = ts.Promise.new()
     promise.set_result(ts.array(self._arrays[key], copy=False))
     return future
 
-  def replaced(self) -> bool:
-    return False
+  def verify(self, on_array=None) -> dict[str, str]:
+    """Nothing to check: the arrays are in memory, not read from files."""
+    for key in self.keys():
+      if on_array is not None:
+        on_array(key, self[key].nbytes)
+    return {}
 
   def __repr__(self) -> str:
     return f"ArraysCheckpoint({len(self._arrays)} arrays)"

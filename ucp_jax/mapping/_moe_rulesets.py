@@ -65,6 +65,15 @@ def hf_moe(
     experts: the experts' layout, one of `EXPERT_LAYOUTS` (see the module docstring).
     qk_norm: the attention has Qwen3's per-head query and key norms (their rules are
       there either way; this only documents the family).
+
+  Returns:
+    A `RuleSet` between the family's `transformers` names and `FlaxMoe`'s keys.
+
+  Raises:
+    InvalidArgumentError: `family` or `experts` is none of the values above.
+    MappingError: raised later, where the rules are applied (`restore`, `load_into`,
+      `import_arrays`), for arrays they do not fit (a head count that does not divide a
+      width, say); every such name is listed at once.
   """
   if family not in _SPLIT_NAMES or experts not in EXPERT_LAYOUTS:
     raise _errors.InvalidArgumentError(

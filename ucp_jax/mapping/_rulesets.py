@@ -58,6 +58,14 @@ def gpt2(*, num_heads: int, stacked: bool = False) -> RuleSet:
     num_heads: attention heads (the head axis of the qkv and proj kernels).
     stacked: one array per parameter with a leading layer axis (`nnx.scan`), or
       one per layer (`blocks/{i}/...`).
+
+  Returns:
+    A `RuleSet` between the torch twin's names (`h.{i}.attn.qkv.weight`, ...) and `FlaxGPT`'s keys.
+
+  Raises:
+    MappingError: raised later, where the rules are applied (`restore`, `load_into`,
+      `import_arrays`), for arrays they do not fit (a head count that does not divide a
+      width, say); every such name is listed at once.
   """
   heads = (num_heads, -1)
   table = [
@@ -103,6 +111,14 @@ def llama(*, num_heads: int, num_kv_heads: int, stacked: bool = False) -> RuleSe
     num_heads: query heads.
     num_kv_heads: key/value heads (grouped-query attention).
     stacked: one array per parameter with a leading layer axis (`nnx.scan`).
+
+  Returns:
+    A `RuleSet` between the torch twin's names (`layers.{i}.self_attn.q_proj.weight`, ...) and `FlaxLlama`'s keys.
+
+  Raises:
+    MappingError: raised later, where the rules are applied (`restore`, `load_into`,
+      `import_arrays`), for arrays they do not fit (a head count that does not divide a
+      width, say); every such name is listed at once.
   """
   table = [
     ("self_attn.q_proj.weight", "attn/q/kernel", [_T, Split(1, (num_heads, -1))]),

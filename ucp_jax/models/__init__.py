@@ -78,6 +78,14 @@ def build(
       `AXIS_RULES`.
     abstract: no values: every parameter a `jax.ShapeDtypeStruct` (on its sharding), for
       `ucp_jax.rules.load_into` or `ucp_jax.restore` to fill without a random init.
+
+  Returns:
+    The model (`MODELS[type(cfg)]`): `FlaxGPT`, `FlaxLlama`, `FlaxNeoX` or `FlaxMoe`.
+
+  Raises:
+    KeyError: `cfg` is of no family in `MODELS`.
+    InvalidArgumentError: options the model refuses (`FlaxMoe` with `scan=True` and
+      dense layers, or with scaled embeddings).
   """
   model_class = MODELS[type(cfg)]
   rngs = nnx.Rngs(0) if rngs is None else rngs
@@ -108,8 +116,33 @@ def build(
 
 
 def shardings(model: Any, mesh: jax.sharding.Mesh, *, axis_rules: AxisRules | None = None):
-  """`nnx.state(model)` as `jax.ShapeDtypeStruct`s on the shardings `build` gives: a target
-  for `ucp_jax.restore` (`model` may be abstract, from `nnx.eval_shape`)."""
+  """`nnx.state(model)` as `jax.ShapeDtypeStruct`s on the shardings `build` gives.
+
+  Args:
+    model: a model of this package (`build`'s), live or abstract (`nnx.eval_shape`).
+    mesh: the mesh to shard over; each of `AXIS_RULES`'s axes is used where it exists
+      and divides the dimension.
+    axis_rules: logical axis -> mesh axis (or None) updates of `AXIS_RULES`.
+
+  Returns:
+    The model's `nnx.State`, each value a `jax.ShapeDtypeStruct` with a `NamedSharding`:
+    a target for `ucp_jax.restore`.
+
+  Raises:
+    AttributeError: `model` is not one of this package's models (it has no
+      `logical_axes`).
+
+  Example:
+    >>> import jax
+    >>> from flax import nnx
+    >>> from ucp_jax import models
+    >>> from ucp_jax.models.gpt import GPTConfig
+    >>> model = nnx.eval_shape(lambda: models.build(GPTConfig(num_layers=1), rngs=nnx.Rngs(0)))
+    >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+    >>> target = models.shardings(model, mesh)
+    >>> target["wte"]["embedding"].sharding.spec  # vocabulary over `model`, FSDP over `data`
+    P('model', 'data')
+  """
   from ucp_jax.models import _sharding
 
   rules = _sharding.merged_rules(axis_rules)

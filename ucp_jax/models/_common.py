@@ -158,3 +158,39 @@ def tp_target(
   """
   rules = {name: axis for name in _sharding.TP_RULES}
   return _sharding.target(state, mesh, table, rules, layers)
+
+
+def make_layers(make_layer, num_layers: int, rngs: nnx.Rngs, *, scan: bool):
+  """`num_layers` layers, `make_layer(i, rngs)` each: one module whose parameters have a
+  leading layer axis (run by `nnx.scan`, every layer built as layer 0) where `scan`, else an
+  `nnx.List`."""
+  if scan:
+
+    @nnx.split_rngs(splits=num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return make_layer(0, rngs)
+
+    return make(rngs)
+  return nnx.List([make_layer(i, rngs) for i in range(num_layers)])
+
+
+def run_layers(layers, x: jax.Array, *args, scan: bool) -> jax.Array:
+  """`x` through every layer of `make_layers`'s `layers`, each called `layer(x, *args)`."""
+  if scan:
+
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def run(x, layer):
+      return layer(x, *args)
+
+    return run(x, layers)
+  for layer in layers:
+    x = layer(x, *args)
+  return x
+
+
+def lm_head(cfg, *, rngs: nnx.Rngs) -> nnx.Linear | None:
+  """The output projection, or None where the logits reuse the token embedding."""
+  if cfg.tie_embeddings:
+    return None
+  return nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, rngs=rngs)

@@ -17,7 +17,7 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ucp_jax.store import _keypath
+from ucp_jax.tree import _tree
 
 AxisRules = Mapping[str, "str | tuple[str, ...] | None"]
 
@@ -100,7 +100,7 @@ def target(
   """`state` as `jax.ShapeDtypeStruct`s with `NamedSharding`s by `table` and `rules`."""
 
   def leaf(path, x):
-    names = [_keypath.entry_name(e) for e in path]
+    names = [_tree.entry_name(e) for e in path]
     key = "/".join(names[:-1] if names[-1:] == ["value"] else names)
     names = logical_names(key, len(x.shape), table, layers)
     spec = spec_for(names, tuple(x.shape), mesh, rules)

@@ -18,7 +18,10 @@ from ucp_jax.models._common import (
   Projection,
   causal_attention,
   check_activation,
+  lm_head,
+  make_layers,
   on_auto_axes,
+  run_layers,
   tp_target,
 )
 
@@ -107,38 +110,18 @@ class FlaxGPT(nnx.Module):
     self.scan = scan
     self.wte = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs)
     self.wpe = nnx.Embed(cfg.max_len, cfg.d_model, rngs=rngs)
-    if scan:
-
-      @nnx.split_rngs(splits=cfg.num_layers)
-      @nnx.vmap(in_axes=(0,), out_axes=0)
-      def make(rngs):
-        return Block(cfg, rngs=rngs)
-
-      self.blocks = make(rngs)
-    else:
-      self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
-    self.ln_f = nnx.LayerNorm(cfg.d_model, epsilon=cfg.eps, rngs=rngs)
-    self.lm_head = (
-      None
-      if cfg.tie_embeddings
-      else nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, rngs=rngs)
+    self.blocks = make_layers(
+      lambda i, rngs: Block(cfg, rngs=rngs), cfg.num_layers, rngs, scan=scan
     )
+    self.ln_f = nnx.LayerNorm(cfg.d_model, epsilon=cfg.eps, rngs=rngs)
+    self.lm_head = lm_head(cfg, rngs=rngs)
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
     return on_auto_axes(FlaxGPT._forward, self, jnp.asarray(tokens), self.wte.embedding[...])
 
   def _forward(self, tokens: jax.Array) -> jax.Array:
     x = self.wte(tokens) + self.wpe(jnp.arange(tokens.shape[1]))[None]
-    if self.scan:
-
-      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-      def run(x, block):
-        return block(x)
-
-      x = run(x, self.blocks)
-    else:
-      for block in self.blocks:
-        x = block(x)
+    x = run_layers(self.blocks, x, scan=self.scan)
     x = self.ln_f(x)
     return self.wte.attend(x) if self.lm_head is None else self.lm_head(x)
 

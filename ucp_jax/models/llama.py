@@ -28,6 +28,8 @@ from ucp_jax.models._common import (
   Projection,
   causal_attention,
   check_activation,
+  lm_head,
+  make_layers,
   on_auto_axes,
   rms_norm,
   softcapped,
@@ -229,22 +231,11 @@ class FlaxLlama(nnx.Module):
     self.cfg = cfg
     self.embed_scale = math.sqrt(cfg.d_model) if cfg.embed_scale else None
     self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs)
-    if scan:
-
-      @nnx.split_rngs(splits=cfg.num_layers)
-      @nnx.vmap(in_axes=(0,), out_axes=0)
-      def make(rngs):
-        return Layer(cfg, rngs=rngs)
-
-      self.layers = make(rngs)
-    else:
-      self.layers = nnx.List([Layer(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
-    self.norm = rms_norm(cfg.d_model, cfg.eps, cfg.norm_offset, rngs=rngs)
-    self.lm_head = (
-      None
-      if cfg.tie_embeddings
-      else nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, rngs=rngs)
+    self.layers = make_layers(
+      lambda i, rngs: Layer(cfg, rngs=rngs), cfg.num_layers, rngs, scan=scan
     )
+    self.norm = rms_norm(cfg.d_model, cfg.eps, cfg.norm_offset, rngs=rngs)
+    self.lm_head = lm_head(cfg, rngs=rngs)
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
     return on_auto_axes(FlaxLlama._forward, self, jnp.asarray(tokens), self.embed.embedding[...])

@@ -29,7 +29,7 @@ from flax import nnx
 
 from ucp_jax import _errors
 from ucp_jax.models import llama
-from ucp_jax.models._common import ACTIVATIONS, rms_norm
+from ucp_jax.models._common import ACTIVATIONS, lm_head, make_layers, rms_norm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,27 +155,16 @@ class FlaxMoe(llama.FlaxLlama):
     if cfg.embed_scale:
       raise _errors.InvalidArgumentError("FlaxMoe: scaled embeddings are not supported")
     self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs)
-    if scan:
-      if cfg.dense_layers:
-        raise _errors.InvalidArgumentError(
-          f"FlaxMoe: scan=True needs experts in every layer; layers {list(cfg.dense_layers)} "
-          "are dense"
-        )
-
-      @nnx.split_rngs(splits=cfg.num_layers)
-      @nnx.vmap(in_axes=(0,), out_axes=0)
-      def make(rngs):
-        return Layer(cfg, rngs=rngs)
-
-      self.layers = make(rngs)
-    else:
-      self.layers = nnx.List([Layer(cfg, cfg.sparse(i), rngs=rngs) for i in range(cfg.num_layers)])
-    self.norm = rms_norm(cfg.d_model, cfg.eps, cfg.norm_offset, rngs=rngs)
-    self.lm_head = (
-      None
-      if cfg.tie_embeddings
-      else nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, rngs=rngs)
+    if scan and cfg.dense_layers:
+      raise _errors.InvalidArgumentError(
+        f"FlaxMoe: scan=True needs experts in every layer; layers {list(cfg.dense_layers)} "
+        "are dense"
+      )
+    self.layers = make_layers(
+      lambda i, rngs: Layer(cfg, cfg.sparse(i), rngs=rngs), cfg.num_layers, rngs, scan=scan
     )
+    self.norm = rms_norm(cfg.d_model, cfg.eps, cfg.norm_offset, rngs=rngs)
+    self.lm_head = lm_head(cfg, rngs=rngs)
 
 
 LOGICAL_AXES = {

@@ -22,7 +22,10 @@ from ucp_jax.models._common import (
   Projection,
   causal_attention,
   check_activation,
+  lm_head,
+  make_layers,
   on_auto_axes,
+  run_layers,
   tp_target,
 )
 
@@ -124,22 +127,11 @@ class FlaxNeoX(nnx.Module):
     self.scan = scan
     self.cfg = cfg
     self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs)
-    if scan:
-
-      @nnx.split_rngs(splits=cfg.num_layers)
-      @nnx.vmap(in_axes=(0,), out_axes=0)
-      def make(rngs):
-        return Layer(cfg, rngs=rngs)
-
-      self.layers = make(rngs)
-    else:
-      self.layers = nnx.List([Layer(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
-    self.norm = nnx.LayerNorm(cfg.d_model, epsilon=cfg.eps, rngs=rngs)
-    self.lm_head = (
-      None
-      if cfg.tie_embeddings
-      else nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, rngs=rngs)
+    self.layers = make_layers(
+      lambda i, rngs: Layer(cfg, rngs=rngs), cfg.num_layers, rngs, scan=scan
     )
+    self.norm = nnx.LayerNorm(cfg.d_model, epsilon=cfg.eps, rngs=rngs)
+    self.lm_head = lm_head(cfg, rngs=rngs)
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
     return on_auto_axes(FlaxNeoX._forward, self, jnp.asarray(tokens), self.embed.embedding[...])
@@ -148,16 +140,7 @@ class FlaxNeoX(nnx.Module):
     cfg = self.cfg
     cos, sin = _rope.tables(tokens.shape[1], cfg.rot_dim, cfg.rope_theta, cfg.rope_scaling)
     x = self.embed(tokens)
-    if self.scan:
-
-      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-      def run(x, layer):
-        return layer(x, cos, sin)
-
-      x = run(x, self.layers)
-    else:
-      for layer in self.layers:
-        x = layer(x, cos, sin)
+    x = run_layers(self.layers, x, cos, sin, scan=self.scan)
     x = self.norm(x)
     return self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
 

@@ -137,14 +137,9 @@ def even_widths(size: int, degree: int, *, name: str = "parameter") -> list[int]
   if size % degree:
     raise MappingError(
       f"`{name}`: size {size} does not split evenly over {degree} ranks; pass the per-rank "
-      "widths (autotp_widths gives DeepSpeed AutoTP's uneven split)"
+      "widths (DeepSpeed AutoTP gives the first size % degree ranks one more)"
     )
   return [size // degree] * degree
-
-
-def autotp_widths(size: int, degree: int) -> list[int]:
-  """DeepSpeed AutoTP's uneven split: the first `size % degree` ranks get one more."""
-  return [size // degree + (r < size % degree) for r in range(degree)]
 
 
 def padded_vocab(vocab_size: int, degree: int, multiple: int = 1) -> int:

@@ -42,6 +42,7 @@ from ucp_jax.sinks._report import ExportReport
 from ucp_jax.store import _reader
 
 NAME = "dcp"
+TORCH_NAMES = True  # writes torch names: a rule set maps a Flax-named checkpoint first
 DESCRIPTION = (
   "a torch.distributed.checkpoint folder that dcp.load reads onto any number of ranks "
   "(model and optimizer as get_state_dict lays them out)"

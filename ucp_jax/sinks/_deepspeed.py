@@ -42,6 +42,7 @@ MODEL_STATES_1_2 = "mp_rank_00_model_states.pt"
 MODEL_STATES_3 = "zero_pp_rank_0_mp_rank_00_model_states.pt"
 LATEST = "latest_universal"
 NAME = "deepspeed"
+TORCH_NAMES = True  # writes torch names: a rule set maps a Flax-named checkpoint first
 DESCRIPTION = "a DeepSpeed universal checkpoint (`load_universal`), ZeRO-1/2/3, any DP degree"
 MARKER = _folder.MARKER
 """Written into every export: an existing `dst` is replaced only if it is an earlier export."""
@@ -273,7 +274,7 @@ class _Writer:
       self.progress(item, nbytes, self.plan.nbytes)
 
   def write_params(self) -> None:
-    from ucp_jax.sources.deepspeed._tp import universal_meta
+    from ucp_jax.sources.deepspeed import universal_meta
 
     fp32 = self._fp32
     entries = (self.ckpt.manifest.schema or {}).get("params") or {}

@@ -71,12 +71,12 @@ def export(
       optimizer state DeepSpeed has no names for (Lion, Adafactor, `optax.ema`, ...).
     MissingDependencyError: torch is not installed (`pip install ucp_jax[torch]`).
   """
-  sink = _registry.find(format)
+  sink = _registry.get(format)
   _registry.check_option_names(sink, options)
   sink.check_options(dst, overwrite=overwrite, **options)  # before anything is read
   opened = ckpt if isinstance(ckpt, _reader.Checkpoint) else _reader.open(ckpt)
   naming = (opened.manifest.schema or {}).get("naming", "torch")
-  if rules is not None and not getattr(sink, "TORCH_NAMES", True):  # a sink of JAX keys (Orbax)
+  if rules is not None and not sink.TORCH_NAMES:  # a sink of JAX keys (Orbax)
     raise _errors.InvalidArgumentError(
       f"format {format!r} writes the checkpoint's own keys; rules=... map them to torch names, "
       "which it does not use: drop --rules"

@@ -27,11 +27,11 @@ import numpy as np
 from ucp_jax import _errors
 from ucp_jax.sinks import _folder, _schema
 from ucp_jax.sinks._report import ExportReport
-from ucp_jax.sources.hf import _safetensors
-from ucp_jax.sources.hf import _source as hf_source
+from ucp_jax.sources import hf as hf_source
 from ucp_jax.store import _reader, _untrusted
 
 NAME = "hf"
+TORCH_NAMES = True  # writes torch names: a rule set maps a Flax-named checkpoint first
 DESCRIPTION = "a Hugging Face model folder: config.json and (sharded) safetensors weights"
 DEFAULT_MAX_SHARD = 5 * 10**9
 """`save_pretrained`'s default shard size (5 GB)."""
@@ -92,40 +92,9 @@ def export(
     config_data, note = _with_dtype(config_data, ckpt, [key for _, key in tensors], target)
     notes += [note] if note else []
   shards = _shards(ckpt, tensors, shard_bytes(max_shard_size), target)
-  total = sum(_nbytes(ckpt[key], target) for _, key in tensors)
-  written = 0
-  with _folder.staged(dst) as staging:
-    weight_map = {}
-    for number, shard in enumerate(shards, 1):
-      name = (
-        "model.safetensors"
-        if len(shards) == 1
-        else f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-      )
-      for tensor_name, _ in shard:
-        weight_map[tensor_name] = name
-
-      def report(item: str, nbytes: int) -> None:
-        nonlocal written
-        written += nbytes
-        if progress is not None:
-          progress(item, nbytes, total)
-
-      _write_safetensors(ckpt, os.path.join(staging, name), shard, target, report)
-    if len(shards) > 1:
-      index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-      _folder.write_file(
-        os.path.join(staging, "model" + _safetensors.INDEX_SUFFIX),
-        [json.dumps(index, indent=2).encode()],
-      )
-    if config_data is not None:
-      body = json.dumps(config_data, indent=2, sort_keys=True).encode()
-      _folder.write_file(os.path.join(staging, "config.json"), [body])
-    _folder.write_marker(staging, NAME, files=sorted(set(weight_map.values())))
+  written = _write_folder(ckpt, dst, shards, target, config_data, progress)
   return ExportReport(
     path=dst,
-    tag=None,
-    zero_stages=(),
     params=len(weights.params),
     frozen=weights.frozen,
     buffers=tuple(b.name for b in weights.buffers),
@@ -143,6 +112,42 @@ def export(
   )
 
 
+def _write_folder(ckpt, dst: str, shards, target, config: dict | None, progress) -> int:
+  """Writes the safetensors files (with an index when several), `config.json` and the
+  marker into a staging folder renamed to `dst`; returns the bytes of tensors written."""
+  total = sum(_nbytes(ckpt[key], target) for shard in shards for _, key in shard)
+  written = 0
+
+  def report(item: str, nbytes: int) -> None:
+    nonlocal written
+    written += nbytes
+    if progress is not None:
+      progress(item, nbytes, total)
+
+  files = (
+    ["model.safetensors"]
+    if len(shards) == 1
+    else [
+      f"model-{number:05d}-of-{len(shards):05d}.safetensors" for number in range(1, len(shards) + 1)
+    ]
+  )
+  weight_map = {name: file for file, shard in zip(files, shards) for name, _ in shard}
+  with _folder.staged(dst) as staging:
+    for file, shard in zip(files, shards):
+      _write_safetensors(ckpt, os.path.join(staging, file), shard, target, report)
+    if len(shards) > 1:
+      index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+      _folder.write_file(
+        os.path.join(staging, "model" + hf_source.INDEX_SUFFIX),
+        [json.dumps(index, indent=2).encode()],
+      )
+    if config is not None:
+      body = json.dumps(config, indent=2, sort_keys=True).encode()
+      _folder.write_file(os.path.join(staging, "config.json"), [body])
+    _folder.write_marker(staging, NAME, files=sorted(set(weight_map.values())))
+  return written
+
+
 def check_destination(dst: str | os.PathLike, *, overwrite: bool) -> str:
   """The absolute export path, or an error: an existing folder must be an earlier HF export."""
   return _folder.check_destination(
@@ -151,7 +156,7 @@ def check_destination(dst: str | os.PathLike, *, overwrite: bool) -> str:
 
 
 def _not_an_export(path: str) -> list[str]:
-  ours = ("config.json", "model" + _safetensors.INDEX_SUFFIX)
+  ours = ("config.json", "model" + hf_source.INDEX_SUFFIX)
   return _folder.foreign_entries(path, NAME, "an HF export", ours=ours)
 
 
@@ -184,7 +189,7 @@ def _dtype(dtype: str | None) -> np.dtype | None:
 
 def _floating(dtype: np.dtype) -> bool:
   """A floating-point dtype safetensors names (F16, BF16, F32, F64, the F8 types)."""
-  return _safetensors.NAMES.get(np.dtype(dtype), "").startswith(("F", "BF"))
+  return hf_source.DTYPE_NAMES.get(np.dtype(dtype), "").startswith(("F", "BF"))
 
 
 def _cast(dtype: str, target: np.dtype | None) -> np.dtype:
@@ -218,7 +223,7 @@ def _write_safetensors(ckpt, path: str, shard, target, report) -> None:
     dtype = _cast(info.dtype, target)
     nbytes = _nbytes(info, target)
     header[name] = {
-      "dtype": _safetensors.NAMES[dtype],
+      "dtype": hf_source.DTYPE_NAMES[dtype],
       "shape": list(info.shape),
       "data_offsets": [offset, offset + nbytes],
     }

@@ -118,20 +118,9 @@ def export(
   shape = _shape_of(ckpt, nnx) if target is None else _target_shape(ckpt, target)
   total = sum(ckpt[k].nbytes for k in keys)
   with _folder.staged(dst) as staging:
-    scratch = staging + ".scratch"
-    os.makedirs(scratch)
-    try:
-      leaves = {}
-      for index, key in enumerate(keys):
-        leaves[key] = _leaf(ckpt, key, os.path.join(scratch, f"{index}.npy"))
-        if progress is not None:
-          progress(key, ckpt[key].nbytes, total)
-      _save(staging, shape.build(leaves), ocdbt, zarr3, compression, chunk_bytes)
-      del leaves
-    finally:
-      shutil.rmtree(scratch, ignore_errors=True)
-    names = sorted(os.listdir(staging))
-    _folder.write_marker(staging, NAME, files=names, nnx=shape.nnx)
+    storage = (ocdbt, zarr3, compression, chunk_bytes)
+    _write_tree(ckpt, keys, shape, staging, storage, progress, total)
+    _folder.write_marker(staging, NAME, files=sorted(os.listdir(staging)), nnx=shape.nnx)
     for folder, _, files in os.walk(staging):
       for name in files:
         _folder.sync_file(os.path.join(folder, name))
@@ -142,12 +131,7 @@ def export(
   layout += f", {compression or 'uncompressed'}"
   return ExportReport(
     path=dst,
-    tag=None,
-    zero_stages=(),
     params=len(keys),
-    frozen=(),
-    buffers=(),
-    tied={},
     step=ckpt.step,
     nbytes=total,
     seconds=time.perf_counter() - start,
@@ -155,6 +139,24 @@ def export(
     format=NAME,
     summary=f"Orbax checkpoint ({layout}): {len(keys)} arrays as {form}",
   )
+
+
+def _write_tree(ckpt, keys: list[str], shape: _Shape, staging: str, storage, progress, total):
+  """Orbax writes the tree of `keys` (`total` bytes) into `staging`, stored as `storage`
+  says (`_save`'s ocdbt, zarr3, compression, chunk_bytes); each array from `SCRATCH_MIN_BYTES`
+  up is held in a memory-mapped scratch file beside `staging` until Orbax has written it."""
+  scratch = staging + ".scratch"
+  os.makedirs(scratch)
+  try:
+    leaves = {}
+    for index, key in enumerate(keys):
+      leaves[key] = _leaf(ckpt, key, os.path.join(scratch, f"{index}.npy"))
+      if progress is not None:
+        progress(key, ckpt[key].nbytes, total)
+    _save(staging, shape.build(leaves), *storage)
+    del leaves
+  finally:
+    shutil.rmtree(scratch, ignore_errors=True)
 
 
 def check_destination(dst: str | os.PathLike, *, overwrite: bool) -> str:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ExportReport:
-  """What `export` wrote.
+  """What `export` wrote (what a sink's `export` returns; a sink without tags, ZeRO stages,
+  frozen parameters, buffers or ties leaves those fields out).
 
   Attributes:
     path: the export's destination (`dst`).
@@ -28,12 +29,12 @@ class ExportReport:
   """
 
   path: str
-  tag: str | None
-  zero_stages: tuple[int, ...]
+  tag: str | None = None
+  zero_stages: tuple[int, ...] = ()
   params: int
-  frozen: tuple[str, ...]
-  buffers: tuple[str, ...]
-  tied: dict[str, str]
+  frozen: tuple[str, ...] = ()
+  buffers: tuple[str, ...] = ()
+  tied: dict[str, str] = dataclasses.field(default_factory=dict)
   step: int | None
   nbytes: int
   seconds: float

@@ -1,10 +1,6 @@
 """Sources: checkpoints of other formats, described without reading data and read lazily.
 
-Importing this package lets `ucp_jax.open` (and through it `restore`, `ucp inspect`,
-`ucp verify`) open any path a source recognizes (`_registry`).
+`_registry` holds them (the built-in ones, those registered, those of installed packages'
+`ucp_jax.sources` entry points); the package root lets `ucp_jax.open` (and through it
+`restore`, `ucp inspect`, `ucp verify`) open any path one recognizes (`_view.open_source`).
 """
-
-from ucp_jax.sources import _view
-from ucp_jax.store import _reader
-
-_reader.register_opener(_view.open_source)

@@ -17,11 +17,11 @@ import os
 import time
 from collections.abc import Callable
 
-from ucp_jax import _errors
+from ucp_jax import _errors, _multihost
 from ucp_jax._errors import SourceFormatError
 from ucp_jax.sources import _registry, _source_plan
 from ucp_jax.sources._source_plan import Tensor, release
-from ucp_jax.store import _location, _multihost
+from ucp_jax.store import _location
 from ucp_jax.store._manifest import ArrayInfo, Manifest
 from ucp_jax.store._writer import Writer
 

@@ -19,7 +19,7 @@ import sys
 import numpy as np
 
 from ucp_jax._errors import SourceFormatError
-from ucp_jax.store import _direct, _hostmem
+from ucp_jax.store import _hostmem, _threads
 
 Region = tuple[slice, ...]
 _MAX_READ = 1 << 30  # Linux reads at most ~2 GiB per call; stay well below
@@ -43,23 +43,21 @@ def start_read(
   tasks = []
   for i, region in enumerate(regions):
     if _contiguous(region, shape):
-      tasks.append(_direct.submit(_read_run, path, offset, shape, dtype, region, outs[i], identity))
+      tasks.append(
+        _threads.submit(_read_run, path, offset, shape, dtype, region, outs[i], identity)
+      )
     else:
       by_rows.setdefault((region[0].start, region[0].stop), []).append(i)
   for (start, stop), users in by_rows.items():
     group = [regions[i] for i in users]
     block = (slice(start, stop), *_columns(group, shape))
     tasks.append(
-      _direct.submit(
+      _threads.submit(
         _read_shared, path, offset, shape, dtype, block, group, [outs[i] for i in users], identity
       )
     )
 
-  def wait() -> None:
-    for task in tasks:
-      task.result()
-
-  return outs, wait
+  return outs, lambda: _threads.wait_all(tasks)
 
 
 def _contiguous(region: Region, shape: tuple[int, ...]) -> bool:

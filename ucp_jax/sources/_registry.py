@@ -1,47 +1,69 @@
-"""The sources ucp_jax reads, found by name or by sniffing a path.
+"""The sources ucp_jax reads: found by name (`get`) or from a path (`sniff`, `find`).
 
-A source is a module with `NAME`, `DESCRIPTION`, `sniff(path) -> bool` (from file names,
-at most a small pointer file read) and `describe(path, **options) -> Plan` (the parameters, slots,
-buffers and groups, from metadata only; the arrays stay on disk as lazy `Tensor`s).
-`ucp_jax.open`, `restore`, `convert` and `ucp inspect` find the source of a path here;
-adding a format is adding a module and a line below.
+A source is a module (or any object) with the members of `Source`: `sniff(path)` from file
+names (at most a small pointer file read), `describe(path, **options) -> Plan` (the
+parameters, slots, buffers and groups, or plain arrays, from metadata only; the arrays stay
+on disk as lazy `Tensor`s). `ucp_jax.open`, `restore`, `convert` and `ucp inspect` find
+the source of a path here. Other packages add sources through `ucp_jax.sources` entry
+points, code through `register` (docs/plugins.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import os
 from typing import Protocol
 
 from ucp_jax import _errors
 from ucp_jax.sources import _files
 from ucp_jax.sources._source_plan import Plan
-
-SOURCES = {
-  "deepspeed": "ucp_jax.sources.deepspeed._source",
-  "orbax": "ucp_jax.sources.orbax._source",
-  "hf": "ucp_jax.sources.hf._source",
-  "dcp": "ucp_jax.sources.dcp._source",
-  "torch": "ucp_jax.sources.torch._source",
-}
-"""Source name -> the module that reads it (imported on first use), in sniffing order."""
+from ucp_jax.store import _plugins
 
 
 class Source(Protocol):
-  """What a source module provides."""
+  """What a source provides (a module's globals and functions, or an object's attributes).
+
+  Attributes:
+    NAME: its name (`ucp convert --from NAME`, `ucp_jax.open(path, source=NAME)`).
+    DESCRIPTION: what it recognizes, for the error that says what each source looks for.
+  """
 
   NAME: str
   DESCRIPTION: str
 
   def sniff(self, path: str) -> bool:
-    """Whether `path` looks like this source's (file names, at most a small pointer file read)."""
+    """Whether the local `path` looks like this source's (file names, at most a small
+    pointer file read)."""
+
+  def sniff_remote(self, url: str) -> bool:
+    """`sniff` for a `gs://`, `s3://` or `memory://` URL (False if the source reads none)."""
+
+  def sniff_weak(self, path: str) -> bool:
+    """Whether `path` (a local path or URL) is this source's to explain when no source
+    recognizes it (a DeepSpeed pointer to a missing tag folder: the error names the tag)."""
 
   def describe(self, path: str, **options) -> Plan:
     """Everything but the array data, which `Plan`'s tensors read lazily."""
 
-  # Optional: `sniff_weak(path) -> bool`, a path this source should explain when no source
-  # recognizes it (a DeepSpeed pointer to a missing tag folder: the error names the tag).
+
+SOURCES = _plugins.Registry(
+  "source",
+  "ucp_jax.sources",
+  {
+    "deepspeed": "ucp_jax.sources.deepspeed._source",
+    "orbax": "ucp_jax.sources.orbax._source",
+    "hf": "ucp_jax.sources.hf._source",
+    "dcp": "ucp_jax.sources.dcp._source",
+    "torch": "ucp_jax.sources.torch._source",
+  },
+  _plugins.protocol_members(Source),
+)
+"""Source name -> the source (imported on first use), in sniffing order: the built-in
+ones, then other packages' and registered ones."""
+
+
+register = SOURCES.register
+"""`register(source, *, replace=False)`: adds a source (sniffed after the built-in ones)."""
 
 
 def get(name: str) -> Source:
@@ -50,12 +72,11 @@ def get(name: str) -> Source:
   Raises:
     InvalidArgumentError: no source of that name (the message lists them).
   """
-  module = SOURCES.get(name)
-  if module is None:
+  if name not in SOURCES:
     raise _errors.InvalidArgumentError(
       f"source {name!r}: ucp_jax reads {', '.join(SOURCES)} (and its own checkpoints)"
     )
-  return importlib.import_module(module)
+  return SOURCES[name]
 
 
 def sniff(path: str | os.PathLike) -> Source | None:
@@ -66,24 +87,14 @@ def sniff(path: str | os.PathLike) -> Source | None:
 
 def _sniff(path: str | os.PathLike) -> Source | None:
   text = os.fspath(path) if not isinstance(path, dict) else ""
-  if "://" in text:  # on an object store: the sources that read by byte ranges
-    remote = [get(name) for name in SOURCES]
-    found = next(
-      (s for s in remote if getattr(s, "sniff_remote", None) and s.sniff_remote(text)), None
-    )
-    return found or next(
-      (s for s in remote if getattr(s, "sniff_weak", None) and s.sniff_weak(text)), None
-    )
-  if not text or not os.path.exists(text):
+  remote = "://" in text  # on an object store: the sources that read by byte ranges
+  if not remote and (not text or not os.path.exists(text)):
     return None
   sources = [get(name) for name in SOURCES]
   for source in sources:
-    if source.sniff(text):
+    if source.sniff_remote(text) if remote else source.sniff(text):
       return source
-  for source in sources:
-    if getattr(source, "sniff_weak", None) and source.sniff_weak(text):
-      return source
-  return None
+  return next((s for s in sources if s.sniff_weak(text)), None)
 
 
 def find(path: str | os.PathLike, name: str | None = None) -> Source:

@@ -15,15 +15,12 @@ import threading
 import tensorstore as ts
 
 from ucp_jax._errors import SourceFormatError
-from ucp_jax.store import _location
-
-_FETCHES = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="ucp_fetch")
-"""Range requests in flight at once (each waits on the network, not on a core)."""
+from ucp_jax.store import _location, _threads
 
 
 def submit(fn) -> concurrent.futures.Future:
-  """Runs `fn()` on the pool of range requests."""
-  return _FETCHES.submit(fn)
+  """Runs `fn()` on the pool of range requests (`_threads.fetch`)."""
+  return _threads.fetch(fn)
 
 
 def is_remote(path) -> bool:
@@ -98,7 +95,7 @@ class Folder:
 
 
 class ObjectBlob:
-  """One object of a `Folder`, read by byte ranges (a `torch._torch_zip.Blob`).
+  """One object of a `Folder`, read by byte ranges (a `torch._byte_span.Blob`).
 
   Its first read fixes the generation every later read must find (`Folder.read`). A small
   read inside bytes known to exist (the object's size, once known, or a span the caller

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from ucp_jax._errors import SourceFormatError
+from ucp_jax.sources.torch._byte_span import ByteSpan
 from ucp_jax.sources.torch._torch_file import InertObject, TorchDtype
-from ucp_jax.sources.torch._torch_zip import ByteSpan
 from ucp_jax.store import _bundle, _keypath, _zarr
 from ucp_jax.store._manifest import ArrayInfo, Manifest
 
@@ -94,6 +94,54 @@ def lazy_store(
   )
 
 
+ROWS_BYTES = 4 << 20
+"""A lazy array's cells by default: whole rows, about this many bytes (a device's slice
+reads its rows, not much around them)."""
+
+
+def row_cells(shape: Sequence[int], dtype) -> tuple[int, ...]:
+  """Cells of whole rows, about `ROWS_BYTES` each, for a lazy array of `shape`."""
+  row = max(1, int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(dtype).itemsize)
+  return (max(1, ROWS_BYTES // row), *shape[1:]) if len(shape) else ()
+
+
+def lazy_tensor(
+  shape: Sequence[int],
+  dtype,
+  read: Callable[[tuple[slice, ...], np.ndarray], None],
+  *,
+  where: str,
+  cells: Sequence[int] | None = None,
+) -> Tensor:
+  """A `Tensor` read by region, for a source that can read any part of an array.
+
+  `read(region, out)` fills `out` (a C-contiguous array of `dtype`, of the region's shape)
+  with the elements of `region` (one `slice(start, stop)` per axis). A restore or a view
+  reads each device's slice through it, a cell at a time (`cells`, default whole rows of
+  about `ROWS_BYTES`), possibly from several threads at once; `convert` reads the whole
+  array in one call.
+
+  Example:
+    >>> import numpy as np
+    >>> data = np.arange(12.0).reshape(3, 4)
+    >>> t = lazy_tensor((3, 4), "float64", lambda r, out: out.__setitem__(..., data[r]),
+    ...                 where="example")
+    >>> t.store[1:, :2].read().result()
+    array([[4., 5.],
+           [8., 9.]])
+  """
+  shape = tuple(int(n) for n in shape)
+  dtype = np.dtype(dtype)
+
+  def whole() -> list[np.ndarray]:
+    out = np.empty(shape, dtype)
+    read(tuple(slice(0, n) for n in shape), out)
+    return [out.reshape(-1)]
+
+  store = lazy_store(shape, dtype, cells or row_cells(shape, dtype), read)
+  return Tensor(shape, dtype, whole, where, store=store)
+
+
 CELL_CACHE_BYTES = 64 << 20
 """Memory the cells of lazy source arrays may hold at once, so that the devices of a restore
 whose slices share a cell read it once (each array opened anew: none sees an older file's)."""
@@ -124,9 +172,13 @@ class Param:
   shard_shape: tuple[int, ...] | None = None  # chunk alignment: the source's shard blocks
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Plan:
-  """A converted checkpoint before any data is read.
+  """A converted checkpoint before any data is read (what a source's `describe` returns).
+
+  A source of a training state fills `params` (with their optimizer slots), `buffers`,
+  `optimizer` and `extra`, which make the schema of docs/schema.md; a source of plain
+  arrays fills `arrays` alone. Only `path` is required.
 
   Attributes:
     params: every parameter, in the source's flat order (optimized, then frozen, then tied).
@@ -149,12 +201,12 @@ class Plan:
       Compressed sources set the bound of their codec.
   """
 
-  params: list[Param]
-  buffers: dict[str, Tensor]
-  optimizer: dict
-  extra: dict
-  source: dict
-  step: int | None
+  params: list[Param] = dataclasses.field(default_factory=list)
+  buffers: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+  optimizer: dict = dataclasses.field(default_factory=dict)
+  extra: dict = dataclasses.field(default_factory=dict)
+  source: dict = dataclasses.field(default_factory=dict)
+  step: int | None = None
   path: str
   format: str = ""
   arrays: dict[str, Tensor] = dataclasses.field(default_factory=dict)

@@ -17,12 +17,13 @@ import tensorstore as ts
 
 from ucp_jax import _errors
 from ucp_jax.sources import _file_reads, _files, _registry, _source_plan
-from ucp_jax.store import _location, _reader
+from ucp_jax.store import _location
+from ucp_jax.store._checkpoint import Checkpoint
 
 _BLOCK_BYTES = 64 << 20
 
 
-class SourceCheckpoint(_reader.Checkpoint):
+class SourceCheckpoint(Checkpoint):
   """The arrays of a source's `Plan`, as a read-only `Checkpoint`.
 
   An array held in one piece of a file (a safetensors tensor, a torch storage, a ZeRO-3
@@ -40,16 +41,15 @@ class SourceCheckpoint(_reader.Checkpoint):
     super().__init__(_location.resolve(path), manifest)
     self.plan = plan
 
-  def files(self, key: str) -> None:
-    """None: a source's arrays are read through their memory maps."""
-    self[key]
-
   def reads_directly(self, key: str) -> bool:
     """Whether `key`'s bytes are one run in a file, read by slice with `pread`."""
     self[key]
     return self._tensors[key].file is not None
 
   def start_read(self, key: str, regions: list):
+    """Starts reading `regions` of `key` with `pread` (`reads_directly` keys)."""
+    if not self.reads_directly(key):
+      return super().start_read(key, regions)
     tensor = self._tensors[key]
     path, offset, identity = tensor.file
     return _file_reads.start_read(path, offset, tensor.shape, tensor.dtype, regions, identity)
@@ -72,9 +72,6 @@ class SourceCheckpoint(_reader.Checkpoint):
       promise.set_exception(e)
     return future
 
-  def replaced(self) -> bool:
-    return False
-
   def verify(self, on_array=None) -> dict[str, str]:
     """Reads every array through; returns the problems found by key (empty if sound).
 
@@ -96,17 +93,12 @@ class SourceCheckpoint(_reader.Checkpoint):
     return f"SourceCheckpoint({str(self.location)!r}, format={self.plan.format!r})"
 
 
-_ROWS_BYTES = 4 << 20
-"""A lazy file-backed array's cells: whole rows, about this many bytes."""
-
-
 def _file_store(tensor: _source_plan.Tensor):
   """`tensor` (one C-order run in a file) as a lazy TensorStore: each cell it reads (whole
-  rows, about `_ROWS_BYTES`) is one `pread` of exactly its bytes, from the checked file."""
+  rows, about `ROWS_BYTES`) is one `pread` of exactly its bytes, from the checked file."""
   path, offset, identity = tensor.file
   shape, dtype = tensor.shape, np.dtype(tensor.dtype)
   row = max(1, int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize)
-  rows = max(1, _ROWS_BYTES // row)
 
   def read(region: tuple[slice, ...], out: np.ndarray) -> None:
     got = np.empty((region[0].stop - region[0].start, *shape[1:]), dtype)
@@ -124,7 +116,7 @@ def _file_store(tensor: _source_plan.Tensor):
       os.close(fd)
     out[...] = got[(slice(None), *region[1:])]
 
-  return _source_plan.lazy_store(shape, dtype, (rows, *shape[1:]), read)
+  return _source_plan.lazy_store(shape, dtype, _source_plan.row_cells(shape, dtype), read)
 
 
 def _read_through(array: np.ndarray) -> None:
@@ -137,7 +129,7 @@ def _read_through(array: np.ndarray) -> None:
 
 def open_source(path, source: str | None = None) -> SourceCheckpoint | None:
   """The source view of `path` if a source recognizes it (or `source`, by name), else None
-  (`_reader.open`'s hook)."""
+  (how `ucp_jax.open` reads other formats: `_reader.read_other_formats_with`)."""
   if isinstance(path, dict):
     return None
   text = os.fspath(path)

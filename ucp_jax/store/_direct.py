@@ -1,4 +1,4 @@
-"""Chunk files on a local disk, read and written without TensorStore in the way.
+"""Chunk files on a local disk, read without TensorStore in the way (`_chunk_writes` writes them).
 
 For uncompressed arrays in a local directory a zarr v3 chunk is just the raw
 little-endian C-order bytes followed by their crc32c. Writing a chunk that is a
@@ -16,7 +16,6 @@ the ones this save wrote there, not another chunk's or another save's).
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import itertools
@@ -26,197 +25,23 @@ import os
 import struct
 import sys
 import threading
-from collections.abc import Callable
 
 import crc32c
 import numpy as np
 
 from ucp_jax import _errors
-from ucp_jax.store import _bundle, _chunks, _hostmem, _regions, _untrusted
+from ucp_jax.store import _bundle, _chunks, _hostmem, _regions, _threads, _untrusted
 from ucp_jax.store._manifest import ArrayInfo
 
 ENABLED = sys.byteorder == "little"
 """Off where the host is big-endian (the files are little-endian); tests may switch it off."""
 
-_POOL = concurrent.futures.ThreadPoolExecutor(
-  max_workers=max(4, 2 * (os.cpu_count() or 1)), thread_name_prefix="ucp_io"
-)
-_made_dirs: set[str] = set()
-_made_dirs_lock = threading.Lock()
-
 Region = _regions.Region
-
-
-def submit(fn, *args) -> concurrent.futures.Future:
-  """Runs `fn(*args)` on the I/O thread pool (for copies that release the GIL)."""
-  return _POOL.submit(fn, *args)
-
-
-def submit_or_run(fn, *args) -> concurrent.futures.Future:
-  """`submit`, or, once the interpreter is shutting down (the pool takes no more work), runs
-  `fn(*args)` here and returns its outcome as a future."""
-  try:
-    return _POOL.submit(fn, *args)
-  except RuntimeError:
-    done: concurrent.futures.Future = concurrent.futures.Future()
-    try:
-      done.set_result(fn(*args))
-    except Exception as e:
-      done.set_exception(e)
-    return done
 
 
 def chunk_path(array_dir: str, index: tuple[int, ...]) -> str:
   """The file of chunk `index` under zarr v3's default chunk key encoding."""
   return os.path.join(array_dir, "c", *map(str, index))
-
-
-_GROUP_BYTES = 8 << 20
-"""A bundle's chunks are written by one task per this many bytes: small chunks go out in one
-`pwritev` each group, large ones in parallel."""
-
-
-def write_region(
-  array_dir: str,
-  data: np.ndarray,
-  region: Region,
-  chunks: tuple[int, ...],
-  shape,
-  *,
-  record: Callable[[tuple[int, ...], int], None],
-  durable: bool = True,
-  bundle: tuple[int, ...] | None = None,
-) -> list[concurrent.futures.Future]:
-  """Starts writing `data` (the array's `region`, chunk-aligned) as chunk or bundle files.
-
-  `record(index, crc, raw)` is called with each chunk's checksum (and its raw bytes, for
-  a hash) once it is written;
-  with `durable`, each file is fsynced once its last chunk is written. The chunks of
-  a bundle (`_bundle`) are written in groups of about `_GROUP_BYTES`, in parallel, each
-  at its own offset, and the index last.
-  """
-  data = np.asarray(data)
-  layout = None if bundle is None else _bundle.Layout(shape, chunks, bundle)
-  encoded = math.prod(chunks) * data.dtype.itemsize + 4
-  bundles: dict[tuple[int, ...], list] = {}
-  jobs = []
-  for index in _chunks.chunks_in(region, chunks):
-    chunk = _chunks.chunk_region(index, chunks, shape)
-    block = data[_regions.relative(chunk, region)]
-    if layout is None:
-      jobs.append(
-        (_write_chunk, chunk_path(array_dir, index), index, block, chunks, record, durable)
-      )
-    else:
-      where, _, offset = layout.slot(index, encoded)
-      bundles.setdefault(where, []).append((offset, index, block))
-  per_group = max(1, _GROUP_BYTES // encoded)
-  for where, items in bundles.items():
-    index_at, index_bytes = layout.index_bytes(where, encoded)
-    target = _BundleFile(chunk_path(array_dir, where), index_at, index_bytes, durable)
-    items.sort(key=lambda item: item[0])
-    groups = [items[i : i + per_group] for i in range(0, len(items), per_group)]
-    target.writers = len(groups)
-    jobs += [(_write_bundled, target, group, chunks, record) for group in groups]
-  return [_POOL.submit(*job) for job in jobs]
-
-
-_IOV_MAX = 1024  # buffers one `pwritev` takes (os.sysconf("SC_IOV_MAX") on Linux)
-
-
-def _encode(block: np.ndarray, chunks) -> tuple[memoryview, int]:
-  raw = _chunks.raw_bytes(_chunks.padded(block, chunks))  # an edge chunk is stored padded
-  return raw, crc32c.crc32c(raw)
-
-
-def _write_chunk(path: str, index, block: np.ndarray, chunks, record, durable: bool) -> None:
-  raw, crc = _encode(block, chunks)
-  try:
-    makedirs(os.path.dirname(path))
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    try:
-      _write_all(fd, [raw, struct.pack("<I", crc)])
-      if durable:
-        os.fsync(fd)
-    finally:
-      os.close(fd)
-  except OSError as e:
-    raise OSError(e.errno, e.strerror, e.filename or path) from e
-  record(index, crc, raw)
-
-
-def _write_bundled(target: _BundleFile, group: list, chunks, record) -> None:
-  """Writes a group of chunks of one bundle (sorted by offset), each run of adjacent ones
-  with one `pwritev`."""
-  try:
-    try:  # whatever fails, `done` runs: the last writer closes the file
-      encoded = [(offset, index, *_encode(block, chunks)) for offset, index, block in group]
-      fd = target.fd()
-      start, end, parts = encoded[0][0], encoded[0][0], []
-      for offset, _, raw, crc in encoded:
-        if offset != end or len(parts) >= _IOV_MAX:
-          _write_all(fd, parts, start)
-          start, end, parts = offset, offset, []
-        parts += [raw, struct.pack("<I", crc)]
-        end += raw.nbytes + 4
-      _write_all(fd, parts, start)
-    finally:
-      target.done()
-  except OSError as e:
-    raise OSError(e.errno, e.strerror, e.filename or target.path) from e
-  for _, index, raw, crc in encoded:
-    record(index, crc, raw)
-
-
-class _BundleFile:
-  """One bundle file being written by several tasks: opened by the first; its index written,
-  the file fsynced and closed by the last. Not truncated: a bundle written in several calls
-  keeps what the earlier ones wrote (the staging folder is new, so nothing else is there)."""
-
-  def __init__(self, path: str, index_at: int, index: bytes, durable: bool):
-    self.path, self._index_at, self._index, self._durable = path, index_at, index, durable
-    self.writers = 0  # set before the writes start; each calls `done` once
-    self._fd: int | None = None
-    self._lock = threading.Lock()
-
-  def fd(self) -> int:
-    with self._lock:
-      if self._fd is None:
-        makedirs(os.path.dirname(self.path))
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
-      return self._fd
-
-  def done(self) -> None:
-    with self._lock:
-      self.writers -= 1
-      if self.writers or self._fd is None:
-        return
-      fd, self._fd = self._fd, None
-    try:
-      _write_all(fd, [self._index], self._index_at)  # last: the file grows once, in order
-      if self._durable:
-        os.fsync(fd)
-    finally:
-      os.close(fd)
-
-
-def _write_all(fd: int, parts: list, offset: int | None = None) -> None:
-  """`os.writev` (`os.pwritev` at `offset`) until every byte is written (one call writes at
-  most ~2 GiB on Linux)."""
-  views = [memoryview(p).cast("B") for p in parts]
-  while views:
-    if offset is None:
-      written = os.writev(fd, views)
-    else:
-      written = os.pwritev(fd, views, offset)
-      offset += written
-    while written and views:
-      if written >= views[0].nbytes:
-        written -= views[0].nbytes
-        views.pop(0)
-      else:
-        views[0], written = views[0][written:], 0
-    views = [v for v in views if v.nbytes]
 
 
 def _read_all(f, buffer: memoryview) -> int:
@@ -228,16 +53,6 @@ def _read_all(f, buffer: memoryview) -> int:
       break
     got += n
   return got
-
-
-def makedirs(path: str) -> None:
-  if path in _made_dirs:
-    return
-  os.makedirs(path, exist_ok=True)
-  with _made_dirs_lock:
-    if len(_made_dirs) > 100_000:
-      _made_dirs.clear()
-    _made_dirs.add(path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -383,13 +198,10 @@ def start_read(files: ArrayFiles, regions: list[Region]):
   for i, region in enumerate(regions):
     for index in _chunks.chunks_in(region, files.info.chunks):
       users.setdefault(index, []).append(i)
-  tasks = [_POOL.submit(_read_chunk, files, index, regions, outs, users[index]) for index in users]
-
-  def wait() -> None:
-    for task in tasks:
-      task.result()
-
-  return outs, wait
+  tasks = [
+    _threads.submit(_read_chunk, files, index, regions, outs, users[index]) for index in users
+  ]
+  return outs, lambda: _threads.wait_all(tasks)
 
 
 def _read_chunk(files: ArrayFiles, index, regions, outs, users) -> None:

@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 
-from ucp_jax.store import _chunks, _direct, _location, _manifest, _swap
+from ucp_jax.store import _chunk_writes, _chunks, _location, _manifest, _swap, _threads
 
 
 def array_dirs(root: str, arrays: dict[str, _manifest.ArrayInfo]) -> set[str]:
@@ -31,7 +31,7 @@ def array_dirs(root: str, arrays: dict[str, _manifest.ArrayInfo]) -> set[str]:
 
 
 def fsync(dirs: set[str]) -> None:
-  futures = [_direct.submit(_fsync_if_present, d) for d in dirs]
+  futures = [_threads.submit(_fsync_if_present, d) for d in dirs]
   for f in futures:
     f.result()
 
@@ -53,7 +53,7 @@ def write_groups(location: _location.Location, keys: list[str], durable: bool = 
   if location.local_dir is not None:
     root = location.local_dir
     futures = [
-      _direct.submit_or_run(write_file, os.path.join(root, name), raw, durable)
+      _threads.submit_or_run(write_file, os.path.join(root, name), raw, durable)
       for name, raw in names.items()
     ]
   else:
@@ -65,7 +65,7 @@ def write_groups(location: _location.Location, keys: list[str], durable: bool = 
 
 def write_file(path: str, data: bytes, durable: bool) -> None:
   """A small file of a new checkpoint (a `zarr.json`), its folders made; fsynced if `durable`."""
-  _direct.makedirs(os.path.dirname(path))
+  _chunk_writes.makedirs(os.path.dirname(path))
   fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
   try:
     view = memoryview(data)

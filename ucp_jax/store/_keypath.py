@@ -64,22 +64,6 @@ def decode_part(part: str) -> str:
   return urllib.parse.unquote(part)
 
 
-def entry_name(entry: Any) -> str:
-  """The plain name of one `jax.tree_util` path entry."""
-  import jax
-
-  if isinstance(entry, jax.tree_util.DictKey):
-    return str(entry.key)
-  if isinstance(entry, jax.tree_util.SequenceKey):
-    return str(entry.idx)
-  if isinstance(entry, jax.tree_util.GetAttrKey):
-    return entry.name
-  if isinstance(entry, jax.tree_util.FlattenedIndexKey):
-    return str(entry.key)
-  key = getattr(entry, "key", None)  # flax NNX and other custom path entries
-  return str(key) if key is not None else str(entry)
-
-
 def join(parts: Iterable[str]) -> str:
   return "/".join(encode_part(p) for p in parts)
 
@@ -129,11 +113,6 @@ def problems(keys: Iterable[str]) -> list[str]:
     if above is not None:
       out.append(f"{key!r}: lies below the array {above!r}")
   return out
-
-
-def from_path(path: tuple[Any, ...]) -> str:
-  """The checkpoint key of a `jax.tree_util` key path."""
-  return join(entry_name(e) for e in path)
 
 
 def under(prefix: str, key: str) -> str:

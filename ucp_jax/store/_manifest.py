@@ -125,7 +125,36 @@ def _itemsize(dtype: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Manifest:
-  """Everything a checkpoint says about itself besides the array data."""
+  """Everything a checkpoint says about itself besides the array data (`manifest.json`).
+
+  Written last by a save, so a checkpoint with a manifest is complete; read, checked
+  against its own sha256 and validated by `ucp_jax.open` (`Checkpoint.manifest`).
+  docs/format.md gives the JSON form.
+
+  Attributes:
+    arrays: every array by key path (`params/dense/kernel`): shape, dtype, role, and
+      the crc32c of every chunk by position (`ArrayInfo`).
+    tree: the outline of the saved pytree (containers and key names), to rebuild it.
+    step: the training step the save recorded, or None.
+    metadata: the user's JSON metadata (`save(metadata=...)`).
+    source: where the state came from: a converted format's framework, version and
+      parallel layout; empty for a plain JAX save.
+    schema: the universal parameter schema (parameters with their optimizer slots,
+      groups, step), filled by the Flax/Optax helpers and converters; None otherwise.
+    created: when the save committed (ISO 8601, UTC).
+    format_version: the on-disk format version it was written in.
+    data: where the arrays lie below the checkpoint's root ("" for the root itself).
+    token: the save's identity (16 hex digits); incremental saves compare it.
+    durable: whether the save fsynced its files before the commit (None: not recorded).
+    pool: the shared pool holding the arrays, relative to the root ("" for none).
+
+  Example:
+    >>> import jax.numpy as jnp, ucp_jax
+    >>> _ = ucp_jax.save("/tmp/ucp_doc_manifest", {"w": jnp.ones((2, 3))}, step=7, overwrite=True)
+    >>> m = ucp_jax.open("/tmp/ucp_doc_manifest").manifest
+    >>> m.step, m.arrays["w"].shape, m.nbytes
+    (7, (2, 3), 24)
+  """
 
   arrays: dict[str, ArrayInfo]
   tree: Any = None

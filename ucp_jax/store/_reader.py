@@ -9,12 +9,9 @@ opened with the manifest, so an overwrite during the read cannot mix two saves.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import os
-import re
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import crc32c
 import numpy as np
@@ -29,76 +26,42 @@ from ucp_jax.store import (
   _location,
   _manifest,
   _pool,
+  _threads,
   _untrusted,
   _verify,
   _zarr,
 )
+from ucp_jax.store._checkpoint import Checkpoint
 
 
-class Checkpoint:
-  """A committed checkpoint, opened read-only.
+class StoredCheckpoint(Checkpoint):
+  """A committed ucp_jax checkpoint, opened read-only (what `ucp_jax.open` returns for one).
 
-  Example:
-    >>> import numpy as np, ucp_jax
-    >>> _ = ucp_jax.save("/tmp/ucp_doc_open", {"a": {"b": np.arange(6).reshape(2, 3)}},
-    ...                  overwrite=True)
-    >>> ckpt = ucp_jax.open("/tmp/ucp_doc_open")
-    >>> ckpt.keys(), ckpt["a/b"].shape
-    (['a/b'], (2, 3))
-    >>> ckpt.read("a/b", np.s_[:, 1:])
-    array([[1, 2],
-           [4, 5]])
+  Attributes:
+    data: where its arrays live.
+    pool: in a version 4 checkpoint, the pool that holds its arrays' generations, else None.
+    origin: where it was opened from: its manifest is read there again to tell whether
+      another save has replaced it (`replaced`).
   """
 
   checksummed = True
-  """Whether `verify` checks every chunk against a checksum (False for other formats' files)."""
 
-  def __init__(self, location: _location.Location, manifest: _manifest.Manifest):
-    self.location = location
-    self.manifest = manifest
-    self.data = location.child(manifest.data)  # where the arrays live
-    self.pool = _pool.location_of(location, manifest)  # or, in a version 4 checkpoint, their pool
-    self._stores: dict[str, ts.TensorStore] = {}
+  def __init__(
+    self,
+    location: _location.Location,
+    manifest: _manifest.Manifest,
+    *,
+    origin: _location.Location | None = None,
+  ):
+    super().__init__(location, manifest)
+    self.data = location.child(manifest.data)
+    self.pool = _pool.location_of(location, manifest)
+    self.origin = origin or dataclasses.replace(location, io_dir=None, pin=None)
 
   def array_location(self, key: str) -> _location.Location:
     """Where the zarr array of `key` lives: below `data`, or in its generation of the pool."""
     at = self[key].at
     return self.data if at is None or self.pool is None else self.pool.child(at)
-
-  @property
-  def step(self) -> int | None:
-    return self.manifest.step
-
-  @property
-  def metadata(self) -> dict:
-    return self.manifest.metadata
-
-  @property
-  def nbytes(self) -> int:
-    return self.manifest.nbytes
-
-  def keys(self) -> list[str]:
-    return sorted(self.manifest.arrays)
-
-  def __contains__(self, key: str) -> bool:
-    return key in self.manifest.arrays
-
-  def __getitem__(self, key: str) -> _manifest.ArrayInfo:
-    try:
-      return self.manifest.arrays[key]
-    except (KeyError, TypeError):
-      near = difflib.get_close_matches(str(key), self.manifest.arrays, n=3)
-      hint = f" (did you mean {', '.join(near)}?)" if near else ""
-      raise _errors.ArrayNotFoundError(
-        f"{self.location}: no array {key!r} in this checkpoint{hint}"
-      ) from None
-
-  def tensorstore(self, key: str) -> ts.TensorStore:
-    """The stored array as a TensorStore handle (lazy; index it, then `.read()`)."""
-    self[key]
-    if key not in self._stores:
-      self._stores[key] = _zarr.wait_open(self.location, key, self.open_future(key))
-    return self._stores[key]
 
   def open_future(self, key: str) -> ts.Future:
     """Opens `key` as a lazy, read-only TensorStore whose every chunk read is checked."""
@@ -149,36 +112,12 @@ class Checkpoint:
     for a checkpoint read where an interrupted swap left it, that directory), not through
     the pinned directory, which still shows the old one.
     """
-    origin = getattr(self, "origin", None) or dataclasses.replace(
-      self.location, io_dir=None, pin=None
-    )
+    origin = self.origin
     try:
       now = _manifest.read(origin, staged=origin.local_dir != self.location.local_dir)
     except _errors.UcpError:
       return True
     return now.to_bytes() != self.manifest.to_bytes()
-
-  def read(self, key: str, index: Any = ()) -> np.ndarray:
-    """Reads `key` (or the region `index` of it, numpy-style) into host memory.
-
-    Raises:
-      CorruptCheckpointError: a chunk fails its checksum or is missing.
-    """
-    store = self.tensorstore(key)
-    try:
-      view = store[index] if index != () else store
-    except IndexError as e:
-      why = re.sub(r" \[(domain|transform)=.*$", "", _location.error_text(e))
-      raise _errors.RegionError(
-        f"{self.location}: `{key}` of shape {self[key].shape}: index {index!r} is outside it "
-        f"({why.removeprefix('OUT_OF_RANGE: ')})"
-      ) from None
-    nbytes = math.prod(view.shape) * view.dtype.numpy_dtype.itemsize
-    _untrusted.check_allocation(nbytes, f"{self.location}: reading `{key}`")
-    try:
-      return _zarr.read_region(self.location, key, view)
-    except _errors.CorruptCheckpointError as e:
-      raise if_replaced(self, e) from e
 
   def verify(self, on_array=None) -> dict[str, str]:
     """Reads every chunk back; returns the problems found by key (empty if sound).
@@ -198,76 +137,95 @@ class Checkpoint:
     )
 
 
-def if_replaced(ckpt: Checkpoint, error: _errors.CorruptCheckpointError) -> Exception:
-  """The error to raise for a failed read: a ConcurrentWriteError if another save replaced
-  the checkpoint meanwhile (its old chunks deleted under the read), else `error`."""
-  base = getattr(ckpt, "base", ckpt)
-  if isinstance(base, Checkpoint) and base.replaced():
-    return _errors.ConcurrentWriteError(
-      f"{base.location}: the checkpoint was replaced by another save during the read, "
-      f"whose files went away under it ({error}); open it again to read the new one"
-    )
-  return error
+class OtherFormats(Protocol):
+  """Opens what is not a ucp_jax checkpoint: `(path, source)` -> a read-only view, or None
+  when no source (or not the one named `source`) reads `path`."""
+
+  def __call__(self, path: str | os.PathLike, source: str | None) -> Checkpoint | None: ...
 
 
-_OPENERS: list[Callable[..., Checkpoint | None]] = []
+_other_formats: OtherFormats | None = None
 
 
-def register_opener(opener: Callable[..., Checkpoint | None]) -> None:
-  """Adds a way to open what is not a ucp_jax checkpoint (the sources register theirs).
+def read_other_formats_with(opener: OtherFormats) -> None:
+  """Lets `open` read other formats through `opener` (the package root installs the
+  sources', once: the store knows no format but its own).
 
-  `opener(path, source=None)` returns a read-only view, or None when it does not read `path`.
+  Raises:
+    InvalidArgumentError: another opener is installed already.
   """
-  if opener not in _OPENERS:
-    _OPENERS.append(opener)
+  global _other_formats
+  if _other_formats is not None and _name(_other_formats) != _name(opener):
+    raise _errors.InvalidArgumentError(
+      f"open already reads other formats with {_name(_other_formats)}; not {_name(opener)}"
+    )
+  _other_formats = opener
+
+
+def _name(fn) -> str:
+  return f"{fn.__module__}.{fn.__qualname__}"
 
 
 def open(path: str | os.PathLike | Checkpoint, *, source: str | None = None) -> Checkpoint:
   """Opens a checkpoint read-only: a committed ucp_jax checkpoint, or another format's.
 
-  A path that holds no ucp_jax checkpoint is offered to the registered openers: a
+  A path that holds no ucp_jax checkpoint is offered to the sources (`ucp_jax.sources`): a
   DeepSpeed folder, for instance, opens as a read-only view of the arrays `convert`
   would write. `source` names the format to read it as (`"torch"`, `"hf"`, ...) when
   its files are ambiguous.
+
+  Args:
+    path: a checkpoint directory or kvstore URL (`memory://`, `gs://`, `s3://`,
+      `file://`), another format's folder or file, or an opened checkpoint (returned as is).
+    source: the format to read a foreign path as (a name `ucp convert --from` takes);
+      None finds it from the files.
+
+  Returns:
+    A read-only `Checkpoint`: its `manifest`, `keys()`, lazy reads of each array, `verify`.
 
   Raises:
     CheckpointNotFoundError: no committed checkpoint at `path`, and no source recognizes it.
     ManifestError: the manifest is truncated, foreign, edited, or of a newer format.
     SourceFormatError: a source recognized `path` but cannot read it.
+    InvalidArgumentError: `source` names no reader.
+
+  Example:
+    >>> import numpy as np, ucp_jax
+    >>> _ = ucp_jax.save("/tmp/ucp_doc_open_fn", {"x": np.zeros(3)}, step=2, overwrite=True)
+    >>> ckpt = ucp_jax.open("/tmp/ucp_doc_open_fn")
+    >>> ckpt.keys(), ckpt.manifest.step
+    (['x'], 2)
   """
   if isinstance(path, Checkpoint):  # already open (or a mapped view of one)
     return path
   if source is not None:
-    for opener in _OPENERS:
-      view = opener(path, source)
-      if view is not None:
-        return view
-    raise _errors.InvalidArgumentError(f"source={source!r}: no reader of that name is loaded")
+    view = _other_formats(path, source) if _other_formats is not None else None
+    if view is None:
+      raise _errors.InvalidArgumentError(f"source={source!r}: no reader of that name is loaded")
+    return view
   try:
     return _open_committed(path)
   except _errors.CheckpointNotFoundError:
-    for opener in _OPENERS:
-      view = opener(path)
-      if view is not None:
-        return view
-    raise
+    view = _other_formats(path, None) if _other_formats is not None else None
+    if view is None:
+      raise
+    return view
 
 
-def _open_committed(path: str | os.PathLike) -> Checkpoint:
+def _open_committed(path: str | os.PathLike) -> StoredCheckpoint:
   location = _location.resolve(path)
   if location.local_dir is not None and _location.staged_for(location.local_dir) is None:
     staged = _commit.interrupted_swap(location.local_dir)
     if staged is not None:  # committed, the rename into place cut short: read it where it is
       pinned = _location.pin(location, staged)
       location = pinned if pinned.io_dir is not None else _location.resolve(staged)
-      ckpt = Checkpoint(location, _manifest.read(location, staged=True))
-      ckpt.origin = _location.resolve(staged)
-      return ckpt
+      manifest = _manifest.read(location, staged=True)
+      return StoredCheckpoint(location, manifest, origin=_location.resolve(staged))
   location = _location.pin(location)
-  return Checkpoint(location, _manifest.read(location))
+  return StoredCheckpoint(location, _manifest.read(location))
 
 
-def _checked_store(ckpt: Checkpoint, key: str) -> ts.Future:
+def _checked_store(ckpt: StoredCheckpoint, key: str) -> ts.Future:
   """A future of `key` as a read-only virtual TensorStore that checks each chunk it reads.
 
   TensorStore asks for whole chunks (the stored chunk grid); each is read either
@@ -311,7 +269,7 @@ def _virtual(info: _manifest.ArrayInfo, read_chunk) -> ts.TensorStore:
         return
       done.add_done_callback(lambda f: _settle(promise, f))
 
-    _direct.submit(run)
+    _threads.submit(run)
     return future
 
   layout = ts.ChunkLayout(read_chunk_shape=chunks) if chunks else None
@@ -346,7 +304,7 @@ class _ZarrChunks:
   Holds the checkpoint's directory pin: the store may outlive the `Checkpoint` object.
   """
 
-  def __init__(self, stored: ts.TensorStore, where: str, key: str, info, ckpt: Checkpoint):
+  def __init__(self, stored: ts.TensorStore, where: str, key: str, info, ckpt: StoredCheckpoint):
     self._stored, self._where, self._key, self._info = stored, where, key, info
     data = ckpt.array_location(key)
     self._pin = data.pin

@@ -2,13 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-import math
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-  import jax
-
 Region = tuple[slice, ...]
 
 
@@ -52,53 +45,3 @@ def group_regions(index_map, shape: tuple[int, ...]) -> tuple[tuple[Region, tupl
   for device, index in index_map.items():
     groups.setdefault(bounds(index, shape), []).append(device)
   return tuple((tuple(slice(*b) for b in where), tuple(devs)) for where, devs in groups.items())
-
-
-def cached_when_hashable(maxsize: int):
-  """`functools.lru_cache`, except for calls with an unhashable argument (a custom
-  sharding), which are computed each time."""
-
-  def wrap(fn):
-    cached = functools.lru_cache(maxsize=maxsize)(fn)
-
-    @functools.wraps(fn)
-    def call(*args):
-      try:
-        hash(args)
-      except TypeError:
-        return fn(*args)
-      return cached(*args)
-
-    return call
-
-  return wrap
-
-
-@cached_when_hashable(maxsize=4096)
-def sharding_problem(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> str | None:
-  """Why `sharding` cannot lay out an array of `shape`, or None when it can."""
-  spec = getattr(sharding, "spec", None)
-  if spec is not None:
-    where = f"{spec} on mesh {dict(sharding.mesh.shape)}"
-    if len(spec) > len(shape):
-      return f"{where} has {len(spec)} dimensions, the array {len(shape)}"
-    mesh_shape = dict(sharding.mesh.shape)
-    for dim, axes in zip(shape, spec):
-      names = axes if isinstance(axes, tuple) else (axes,)
-      parts = math.prod(mesh_shape[a] for a in names if a is not None)
-      if parts > 1 and dim % parts:
-        return f"{where} splits a dimension of size {dim} into {parts} uneven parts"
-  try:
-    sharding.shard_shape(shape)
-  except (ValueError, TypeError, IndexError) as e:
-    return f"{sharding} cannot shard shape {shape}: {e}"
-  return None
-
-
-@cached_when_hashable(maxsize=1024)
-def group_by_slice(
-  sharding: jax.sharding.Sharding, shape: tuple[int, ...]
-) -> tuple[tuple[Region, tuple[jax.Device, ...]], ...]:
-  """This process's devices of `sharding`, grouped by the region of the array each holds
-  (computed once per sharding and shape: a state's arrays share a few)."""
-  return group_regions(sharding.addressable_devices_indices_map(shape), shape)

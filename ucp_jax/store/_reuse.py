@@ -30,7 +30,16 @@ import threading
 from typing import Any
 
 from ucp_jax import _errors
-from ucp_jax.store import _chunks, _direct, _location, _manifest, _shards, _untrusted
+from ucp_jax.store import (
+  _chunk_writes,
+  _chunks,
+  _direct,
+  _location,
+  _manifest,
+  _shards,
+  _threads,
+  _untrusted,
+)
 from ucp_jax.store._regions import Region
 
 _CANNOT_LINK = frozenset(
@@ -105,7 +114,7 @@ class Linker:
     """Starts linking the files of `region` of `key`; returns a future that raises
     `Unavailable` if the base does not have them all (the caller writes the region then)."""
     names = list(file_indices(info, region))
-    return _direct.submit(self._link_all, key, names)
+    return _threads.submit(self._link_all, key, names)
 
   def _link_all(self, key: str, names: list) -> None:
     for index in names:
@@ -127,7 +136,7 @@ class Linker:
       raise Unavailable(f"{shown}: missing from the base") from None
     if not stat.S_ISREG(mode):
       raise Unavailable(f"{shown}: {_untrusted.not_regular(mode)}")
-    _direct.makedirs(os.path.dirname(dst))
+    _chunk_writes.makedirs(os.path.dirname(dst))
     try:
       os.link(src, dst, follow_symlinks=False)
     except FileNotFoundError:

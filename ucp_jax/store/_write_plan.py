@@ -18,7 +18,7 @@ import zlib
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
-from ucp_jax.store import _regions
+from ucp_jax.store import _caches, _regions
 from ucp_jax.store._regions import Region
 
 
@@ -96,19 +96,14 @@ def every_of_sharding(key: str, sharding: Any, shape: Sequence[int], chunks: Seq
 
 def writers(sharding: Any, shape: Sequence[int]) -> int:
   """How many processes hold a replica of the most replicated shard (1 with one process)."""
-  cache_key = ("writers", sharding, tuple(shape))
-  if cache_key not in _CACHE:
-    if len(_CACHE) >= _CACHE_SIZE:
-      _CACHE.clear()
-    if len({_process_of(d) for d in sharding.device_set}) <= 1:
-      _CACHE[cache_key] = 1
-      return 1
-    holders: dict[tuple, set[int]] = {}
-    for device, index in sharding.devices_indices_map(tuple(shape)).items():
-      region = _regions.normalize(index, shape)
-      holders.setdefault(tuple((s.start, s.stop) for s in region), set()).add(_process_of(device))
-    _CACHE[cache_key] = max(len(p) for p in holders.values())
-  return _CACHE[cache_key]
+  return _CACHE.get(("writers", sharding, tuple(shape)), lambda: _writers(sharding, shape))
+
+
+def _writers(sharding: Any, shape: Sequence[int]) -> int:
+  if len({_process_of(d) for d in sharding.device_set}) <= 1:
+    return 1
+  groups = _regions.group_regions(sharding.devices_indices_map(tuple(shape)), shape)
+  return max(len({_process_of(d) for d in devices}) for _, devices in groups)
 
 
 def _sharding_args(sharding: Any, shape: Sequence[int]):
@@ -119,31 +114,24 @@ def _process_of(device: Any) -> int:
   return device.process_index
 
 
-_CACHE: dict[Hashable, Any] = {}  # layouts, and `writers` counts
-_CACHE_SIZE = 512
+_CACHE = _caches.Memo(maxsize=512)
+"""Layouts, and `writers` counts: a state's arrays share a few shardings and shapes."""
 
 
 def _layout(layout_key, index_map, shape, chunks, process_of) -> _Layout:
   """The split of one layout, computed once: arrays of one shape and sharding share it."""
-  cache_key = (layout_key, shape, chunks)
-  layout = _CACHE.get(cache_key)
-  if layout is None:
-    if len(_CACHE) >= _CACHE_SIZE:
-      _CACHE.clear()
-    layout = _CACHE[cache_key] = _split_all(index_map(), shape, chunks, process_of)
-  return layout
+  return _CACHE.get(
+    (layout_key, shape, chunks), lambda: _split_all(index_map(), shape, chunks, process_of)
+  )
 
 
 def _split_all(index_map: Mapping[Any, tuple], shape, chunks, process_of) -> _Layout:
-  groups: dict[tuple, dict[int, Any]] = {}  # bounds -> process -> its first device
-  for device, index in index_map.items():
-    region = _regions.normalize(index, shape)
-    holders = groups.setdefault(tuple((s.start, s.stop) for s in region), {})
-    holders.setdefault(process_of(device), device)
   shards = []
   by_process: dict[int, list[int]] = {}
-  for number, (bounds, holders) in enumerate(groups.items()):
-    region = tuple(slice(*b) for b in bounds)
+  for number, (region, devices) in enumerate(_regions.group_regions(index_map, shape)):
+    holders: dict[int, Any] = {}  # process -> its first device
+    for device in devices:
+      holders.setdefault(process_of(device), device)
     ordered = tuple(sorted(holders.items(), key=lambda item: item[0]))
     shards.append(_Shard(split(region, chunks, shape, len(ordered)), ordered))
     for process, _ in ordered:

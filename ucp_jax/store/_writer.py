@@ -14,8 +14,9 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from ucp_jax import _errors
+from ucp_jax import _errors, _multihost
 from ucp_jax.store import (
+  _chunk_writes,
   _chunks,
   _commit,
   _direct,
@@ -23,11 +24,11 @@ from ucp_jax.store import (
   _keypath,
   _location,
   _manifest,
-  _multihost,
   _pool,
   _regions,
   _reuse,
   _shards,
+  _threads,
   _zarr,
 )
 from ucp_jax.store._shards import Entry as Entry
@@ -171,7 +172,7 @@ class Writer:
     }
     root = self.staging.local_dir
     writes = [
-      _direct.submit_or_run(
+      _threads.submit_or_run(
         _folders.write_file, os.path.join(root, key, "zarr.json"), raw, self._durable
       )
       for key, raw in known.items()
@@ -247,9 +248,10 @@ class Writer:
     pending: list[tuple[Any, int]] = []
     held = 0
     for entry, index, data, origin in _shards.owned_shards(entries, self._primary):
+      device = isinstance(entry.value, _shards.DeviceArray)
       nbytes = (
         0  # a CPU device's buffer is written in place: no host copy to bound
-        if _shards.on_cpu_device(entry.value)
+        if device and entry.value.in_host_memory
         # the host holds all of `data` (a whole shard) while one slab of it is written
         else int(np.prod([s.stop - s.start for s in origin], dtype=np.int64))
         * np.dtype(entry.info.dtype).itemsize
@@ -258,8 +260,8 @@ class Writer:
         future, n = pending.pop(0)
         future.result()
         held -= n
-      host = _shards.slab(_shards.host_array(data), index, origin)
-      immutable = _shards.is_jax_array(entry.value) or entry.owned is not None  # never changes
+      host = _shards.slab(np.asarray(data), index, origin)
+      immutable = device or entry.owned is not None  # never changes
       pending.append((self._write(entry.key, host, index, immutable), nbytes))
       held += nbytes
     for future, _ in pending:
@@ -288,7 +290,7 @@ class Writer:
     info = self._arrays[key]
     table = self._tables[key]
     if self._direct(info):
-      futures = _direct.write_region(
+      futures = _chunk_writes.write_region(
         os.path.join(self.staging.local_dir, key),
         host,
         index,

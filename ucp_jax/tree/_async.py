@@ -20,18 +20,17 @@ from typing import Any
 import jax
 import numpy as np
 
+from ucp_jax import _multihost
 from ucp_jax.store import (
   _bundle,
   _location,
   _manifest,
-  _multihost,
-  _pool,
   _reader,
   _shards,
   _writer,
   _zarr,
 )
-from ucp_jax.tree import _pending, _save, _unchanged
+from ucp_jax.tree import _device_arrays, _devices, _pending, _save, _unchanged
 from ucp_jax.tree._pending import SaveHandle as SaveHandle
 
 
@@ -126,6 +125,15 @@ def save_async(
   Returns:
     A `SaveHandle`: `done()`, and `result()`, which returns the checkpoint's
     location or raises the save's error.
+
+  Raises:
+    UnsupportedLeafError, InvalidKeyError, InvalidArgumentError: a bad tree or option, as
+      `save` says, before anything is copied or written.
+    Exception: the error of the `save_async` before this one, if it failed and nobody has
+      seen it yet; this save does not start then. The background write's own errors
+      (`CheckpointExistsError`, `ConcurrentWriteError`, `StorageError`, ...) come from
+      `SaveHandle.result`, or else from the next `save`, `save_async` or
+      `wait_until_finished`.
   """
   turn = _pending.claim()  # waits for the save_async before this one (any thread's) ...
   try:  # ... and raises its error; the turn passes to the background write, or back
@@ -175,21 +183,12 @@ def snapshot(
   found: dict[str, Any] = {}
 
   def plan() -> tuple[list[_writer.Entry], _manifest.Manifest]:
-    entries, manifest = _save.prepare(tree, leaves=flat, **options)
-    base_ckpt = found["base"] = None if base is None else _unchanged.open_base(base)
-    levels = found["levels"] = _pool.levels_for(target, base_ckpt, pool_levels)
-    if base_ckpt is None:
-      return _host_copies(entries), manifest
-    marked = _unchanged.mark(
-      entries,
-      flat,
-      base_ckpt,
-      target,
-      unchanged=unchanged,
-      compression=compression,
-      pool_levels=levels,
+    entries, manifest = _save.plan_marked(
+      tree, flat, found, target, base, pool_levels, unchanged, compression, options
     )
-    return marked, manifest
+    if found["base"] is None:  # nothing to reuse: copy every shard now
+      return _host_copies(entries), manifest
+    return entries, manifest
 
   # Agreed like `save`'s planning, so a leaf rejected (or a copy failed) on one process stops all.
   entries, manifest = _writer.together(sync, target, "checking the tree", plan)
@@ -224,14 +223,12 @@ def _host_copies(entries: list[_writer.Entry]) -> list[_writer.Entry]:
   # _owned_shards starts every device-to-host copy before the first one is waited for.
   for entry, index, data, origin in _shards.owned_shards(entries, _multihost.is_primary()):
     host = _shards.slab(_host_copy(data), index, origin)
-    if index != origin and not _on_cpu(data):  # keep the slab, not the whole shard's copy
+    if index != origin and not _devices.array_on_cpu(
+      data
+    ):  # keep the slab, not the whole shard's copy
       host = np.array(host, copy=True)
     owned[entry.key].append((index, host))
   return [dataclasses.replace(e, value=None, owned=tuple(owned[e.key])) for e in entries]
-
-
-def _on_cpu(data: Any) -> bool:
-  return isinstance(data, jax.Array) and next(iter(data.devices())).platform == "cpu"
 
 
 def _host_copy(data: Any) -> np.ndarray:
@@ -244,10 +241,10 @@ def _host_copy(data: Any) -> np.ndarray:
   copied before the training loop goes on. A numpy leaf is the caller's own, mutable
   array: it is copied. A copy in pinned host memory (GPUs) is this save's own.
   """
-  if isinstance(data, _shards.PinnedCopy):
-    return _shards.host_array(data)
-  if isinstance(data, jax.Array):
-    platform = next(iter(data.devices())).platform
-    if platform == "cpu" or data.sharding.memory_kind in (None, "device"):
-      return np.asarray(data)
+  if isinstance(data, _device_arrays.PinnedCopy):
+    return np.asarray(data)
+  if isinstance(data, jax.Array) and (
+    _devices.on_cpu(data.sharding) or data.sharding.memory_kind in (None, "device")
+  ):
+    return np.asarray(data)
   return np.array(data, copy=True)

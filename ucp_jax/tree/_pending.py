@@ -19,7 +19,21 @@ _claimed: object | None = None  # the turn of a save_async copying its state (se
 
 
 class SaveHandle:
-  """A save started by `save_async`: poll it with `done`, wait with `result`."""
+  """A save that `save_async` started and a background thread finishes.
+
+  `done()` says whether it has finished (committed, or failed) without waiting;
+  `result(timeout)` waits, then returns the checkpoint's location or raises the save's
+  error. An error is raised once: to `result`, or else to the first `save`, `save_async`
+  or `wait_until_finished` of this process after it; a failed save leaves the checkpoint
+  that was at its path (if any) intact. A program that exits without waiting for a
+  failed save prints its error to stderr.
+
+  Example:
+    >>> import jax.numpy as jnp, ucp_jax
+    >>> handle = ucp_jax.save_async("/tmp/ucp_doc_handle", {"w": jnp.ones(2)}, overwrite=True)
+    >>> handle.result(timeout=60), handle.done()
+    ('/tmp/ucp_doc_handle', True)
+  """
 
   def __init__(self, location: str):
     self._location = location
@@ -34,8 +48,16 @@ class SaveHandle:
   def result(self, timeout: float | None = None) -> str:
     """Waits for the save; returns the checkpoint's location, or raises the save's error.
 
+    Args:
+      timeout: seconds to wait at most; None waits as long as the save runs.
+
+    Returns:
+      The checkpoint's location, as `save` returns it.
+
     Raises:
       TimeoutError: the save is still running after `timeout` seconds.
+      Exception: the background write's error (a `UcpError` such as `StorageError`, or
+        whatever else stopped it), with a note naming the save.
     """
     if not self._finished.wait(timeout):
       raise TimeoutError(f"{self._location}: the save is still running after {timeout} s")
@@ -110,6 +132,12 @@ def wait_until_finished() -> None:
   Any thread may call it; a `save_async` that another thread is starting is waited for
   too. The error of a failed save is raised once, to the first caller of this function,
   `save` or `save_async` (or of the handle's `result`).
+
+  Returns:
+    None, once no `save_async` of this process is running.
+
+  Raises:
+    Exception: the last `save_async`'s error, if it failed and nobody has seen it yet.
 
   Example:
     >>> import jax.numpy as jnp, ucp_jax

@@ -2,30 +2,41 @@
 
 from __future__ import annotations
 
-import threading
-import time
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import numpy as np
 
 from ucp_jax import _errors
-from ucp_jax.store import _direct, _hostmem, _regions
-from ucp_jax.tree import _tree
+from ucp_jax.store import _caches, _hostmem, _regions, _threads
+from ucp_jax.tree import _devices, _tree
+
+Method = Literal["auto", "host", "device_put"]
+METHODS = ("auto", "host", "device_put")
+
+HOST_COPY_MIN_BYTES = 16 << 20
+"""`method="auto"` copies on the host when the arrays average at least this many bytes. A
+host copy compiles nothing (device_put compiles a layout change on its first call), and on
+repeated calls it moves large arrays faster than device_put, whose lower cost per array
+wins with smaller ones. Measured on 8 CPU devices of a 2-core VM, 256 MiB moved from
+`P("x", None)` to a (2, 4) mesh, repeated calls: 1 MiB arrays 0.28 s host, 0.12 s device_put;
+4 MiB 0.09 s, 0.06 s; 16 MiB 0.071 s, 0.069 s; 64 MiB 0.048 s, 0.076 s (docs/benchmarks.md)."""
 
 
-def reshard(tree: Any, shardings: Any, *, method: str = "auto") -> Any:
+def reshard(tree: Any, shardings: Any, *, method: Method = "auto") -> Any:
   """Moves every array of `tree` onto the matching sharding of `shardings`.
 
-  On CPU, `method="auto"` copies each target shard out of the source shards in host
-  memory the first time a layout change is made: faster than `jax.device_put`, which
-  compiles its resharding then. The copies land in buffers that a later reshard reuses
-  once these arrays are dropped. Once device_put has compiled a change it may win (with
-  many small arrays, its per-array cost is lower), so when the same change comes again
-  `auto` times both paths on it (the host copy twice, device_put three times) and from
-  then on takes the faster: a reshard repeated in a loop is never left on the slower
-  path. Elsewhere (GPU, TPU), and when the source lives partly on other processes, XLA's
-  collectives do the move.
+  `method="auto"` picks one path per call by a fixed rule (`reshard_method` tells which,
+  and why): the same arrays, shardings and platform always get the same path.
+  - A move that involves other processes' devices, or devices other than CPUs (GPU, TPU),
+    goes through `jax.device_put`: XLA's collectives do it.
+  - On CPU devices of this process, arrays that average at least `HOST_COPY_MIN_BYTES`
+    (16 MiB) are copied on the host, each target slice out of the source shards, into
+    buffers the devices adopt without a copy (and that a later reshard reuses once these
+    arrays are dropped). It compiles nothing, and moves large arrays faster than a
+    compiled device_put. Smaller arrays go through device_put, whose cost per array is
+    lower once it has compiled the change (on its first call).
+  `"host"` and `"device_put"` pin a path.
 
   Example:
     >>> import jax, jax.numpy as jnp, ucp_jax
@@ -44,119 +55,86 @@ def reshard(tree: Any, shardings: Any, *, method: str = "auto") -> Any:
 
   Returns:
     The same tree on the new shardings; the input is left as it was.
+
+  Raises:
+    InvalidArgumentError: an unknown `method`, or `"host"` for arrays it cannot move.
+    UnsupportedLeafError: a leaf that is neither a `jax.Array` nor a Python number.
+    TreeMismatchError: `tree` and `shardings` name different leaves.
+    ShardingError: a sharding that cannot lay out its array.
   """
-  if method not in ("auto", "host", "device_put"):
-    raise ValueError(f"method must be 'auto', 'host' or 'device_put', got {method!r}")
+  _check_method(method)
+  unflatten, numbers, arrays, targets = _prepare(tree, shardings)
+  if method == "auto":
+    method = _auto(arrays, targets)[0]
+  if method == "host":
+    problems = _host_copy_problems(arrays, targets)
+    if problems:
+      raise _errors.InvalidArgumentError(
+        "method='host' copies in this process's memory, which cannot move these arrays "
+        "(use method='auto' or 'device_put'):\n" + _errors.bullet_list(problems)
+      )
+  move = _host_reshard if method == "host" else _device_put
+  return unflatten({**numbers, **move(arrays, targets)})
+
+
+def reshard_method(tree: Any, shardings: Any) -> tuple[str, str]:
+  """The path `reshard(tree, shardings, method="auto")` takes, and why.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, ucp_jax
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])
+    >>> ucp_jax.reshard_method({"w": jnp.ones((4, 4))}, NamedSharding(mesh, P("x")))[0]
+    'device_put'
+
+  Returns:
+    ("host" or "device_put", the reason in words).
+
+  Raises:
+    The errors `reshard` raises for its `tree` and `shardings`.
+  """
+  _, _, arrays, targets = _prepare(tree, shardings)
+  return _auto(arrays, targets)
+
+
+def _check_method(method: Any) -> None:
+  if method not in METHODS:
+    raise _errors.InvalidArgumentError(
+      f"method={method!r}: use 'auto' (a fixed rule, see `reshard_method`), 'host' (host "
+      "copies; CPU arrays of this process) or 'device_put'"
+    )
+
+
+def _prepare(tree: Any, shardings: Any) -> tuple[Any, dict, dict, dict]:
+  """(the function that rebuilds `tree`, its Python numbers, its arrays, their target
+  shardings), by key, every leaf checked."""
   flat, unflatten = _tree.flatten(tree)
   numbers = {k: x for k, x in flat.items() if isinstance(x, _NUMBERS)}
   arrays = {k: x for k, x in flat.items() if k not in numbers}
   targets = _target_shardings(arrays, shardings, numbers)
   _check(arrays, targets)
-  if method == "device_put":
-    return unflatten({**numbers, **_device_put(arrays, targets)})
-  if method == "auto":
-    return unflatten({**numbers, **_AUTO.move(arrays, targets)})
-  problems = _host_copy_problems(arrays, targets)
+  return unflatten, numbers, arrays, targets
+
+
+def _auto(arrays: dict[str, jax.Array], targets: dict[str, Any]) -> tuple[str, str]:
+  """`method="auto"`'s rule: (path, reason), from the platforms, the processes and the sizes."""
+  problems = _host_copy_problems(arrays, targets, first=True)
   if problems:
-    raise ValueError(
-      "method='host' copies in this process's memory, which cannot move these arrays "
-      "(use method='auto' or 'device_put'):\n" + _errors.bullet_list(problems)
-    )
-  return unflatten({**numbers, **_host_reshard(arrays, targets)})
+    return "device_put", f"XLA moves it: {problems[0]}"
+  if not arrays:
+    return "device_put", "nothing to move"
+  mean = sum(x.nbytes for x in arrays.values()) / len(arrays)
+  if mean >= HOST_COPY_MIN_BYTES:
+    return "host", f"CPU arrays of this process, {mean / 2**20:.1f} MiB each on average"
+  return "device_put", (
+    f"CPU arrays of {mean / 2**20:.2f} MiB on average, below {HOST_COPY_MIN_BYTES >> 20} MiB: "
+    "device_put's lower cost per array wins"
+  )
 
 
 def _host_reshard(arrays: dict[str, jax.Array], targets: dict[str, Any]) -> dict[str, jax.Array]:
   started = {k: _start_host_reshard(x, targets[k]) for k, x in arrays.items()}
   return {k: finish() for k, finish in started.items()}
-
-
-_DEVICE_PUT_MARGIN = 0.9
-
-
-class _Auto:
-  """`method="auto"` on CPU: the host copy or device_put, whichever a layout change runs faster.
-
-  Per change (the arrays' shapes, dtypes and both shardings), the first five moves measure
-  both paths, the faster call of each counting: two host copies (the first pays for fresh
-  memory, the second reuses the first's buffers once they are dropped), then three
-  device_puts (the first compiles and is not timed; XLA's allocator takes a call or two
-  to warm up: measured 0.78 s, 0.52 s, 0.21 s, 0.11 s for 1 GiB on 8 CPU devices). Then
-  the faster of the two paths, for good: device_put when it took less than
-  `_DEVICE_PUT_MARGIN` of the host copy's time (a host copy's second call is still a little
-  slower than its later ones, and it compiles nothing and holds no warm XLA memory). Timing
-  blocks until the arrays are ready, which only the timed calls do.
-  """
-
-  _MAX_CHANGES = 256
-
-  def __init__(self):
-    self._seen: dict[Any, dict[str, Any]] = {}
-    self._lock = threading.Lock()
-
-  @staticmethod
-  def _change(arrays: dict[str, jax.Array], targets: dict[str, Any]) -> tuple:
-    return tuple((k, x.shape, x.dtype, x.sharding, targets[k]) for k, x in sorted(arrays.items()))
-
-  def move(self, arrays: dict[str, jax.Array], targets: dict[str, Any]) -> dict[str, jax.Array]:
-    change = self._change(arrays, targets)
-    with self._lock:
-      path = self._seen.get(change, {}).get("path")
-    if path == "device_put" or (path is None and _host_copy_problems(arrays, targets, True)):
-      return _device_put(arrays, targets)
-    if path == "host":
-      return _host_reshard(arrays, targets)
-    return self._trial(change, arrays, targets)
-
-  @staticmethod
-  def _next_trial(state: dict) -> tuple[str, bool] | None:
-    """(path, timed) of the next trial, from what is still unmeasured (calls made at once
-    by several threads may run the same one); None once both paths are measured."""
-    if state["host_runs"] < 2 or state["host"] is None:
-      return "host", True
-    if state["device_put_runs"] == 0:
-      return "device_put", False  # compiles
-    if state["device_put_runs"] < 3 or state["device_put"] is None:
-      return "device_put", True
-    return None
-
-  def _trial(self, change: tuple, arrays: dict, targets: dict) -> dict[str, jax.Array]:
-    """The next trial for `change`; after the last, its path is settled. A call that fails
-    is not counted: the trial is made again."""
-    with self._lock:
-      state = self._seen.get(change)
-      if state is None:
-        if len(self._seen) >= self._MAX_CHANGES:
-          self._seen.clear()
-        state = self._seen[change] = {
-          "host": None, "device_put": None, "host_runs": 0, "device_put_runs": 0
-        }  # fmt: skip
-      path, timed = self._next_trial(state) or (state["path"], False)
-    move = _host_reshard if path == "host" else _device_put
-    if timed:
-      start = time.perf_counter()
-      moved = jax.block_until_ready(move(arrays, targets))
-      seconds = time.perf_counter() - start
-    else:
-      moved = move(arrays, targets)
-    with self._lock:
-      state[f"{path}_runs"] += 1
-      if timed:
-        state[path] = seconds if state[path] is None else min(state[path], seconds)
-      if "path" not in state and self._next_trial(state) is None:
-        clearly_faster = state["device_put"] < _DEVICE_PUT_MARGIN * state["host"]
-        state["path"] = "device_put" if clearly_faster else "host"
-    return moved
-
-  def known(self, arrays: dict[str, jax.Array], targets: dict[str, Any]) -> dict[str, Any]:
-    """What `move` has measured of this change: its trial calls so far, per path and in all,
-    the timed seconds, and the settled path."""
-    state = dict(self._seen.get(self._change(arrays, targets), {}))
-    if state:
-      state["calls"] = state["host_runs"] + state["device_put_runs"]
-    return state
-
-
-_AUTO = _Auto()
 
 
 _NUMBERS = (bool, int, float, complex)  # Python numbers: no device, nothing to move
@@ -204,7 +182,7 @@ def _check(flat: dict[str, Any], targets: dict[str, jax.sharding.Sharding]) -> N
     if not isinstance(x, jax.Array):
       bad.append(f"{key}: {type(x).__qualname__} is not a jax.Array")
       continue
-    problem = _regions.sharding_problem(targets[key], tuple(x.shape))
+    problem = _devices.sharding_problem(targets[key], tuple(x.shape))
     if problem:
       problems.append(f"{key}: {problem}")
   if bad:
@@ -227,7 +205,7 @@ def _host_copy_problems(
     for what, sharding in (("array", x.sharding), ("target", targets[key])):
       if not sharding.is_fully_addressable:
         problems.append(f"{key}: the {what} spans devices of other processes")
-      elif any(d.platform != "cpu" for d in sharding.device_set):
+      elif not _devices.on_cpu(sharding):
         problems.append(
           f"{key}: the {what} is on {sorted({d.platform for d in sharding.device_set})}"
         )
@@ -253,10 +231,10 @@ def _start_host_reshard(x: jax.Array, target: jax.sharding.Sharding):
     )
   plan = _copy_plan(x.sharding, target, shape, x.dtype.itemsize)
   shards = {s.device: s.data for s in x.addressable_shards}
-  copies = [_direct.submit(_copy_group, group, shards, x.dtype) for group in plan]
+  copies = [_threads.submit(_copy_group, group, shards, x.dtype) for group in plan]
 
   def finish() -> jax.Array:
-    return _hostmem.adopt(shape, target, {k: v for c in copies for k, v in c.result()})
+    return _devices.adopt(shape, target, {k: v for c in copies for k, v in c.result()})
 
   return finish
 
@@ -265,16 +243,16 @@ _TASK_BYTES = 8 << 20
 """Target slices are copied by one task per this many bytes (one per slice above it)."""
 
 
-@_regions.cached_when_hashable(maxsize=512)
+@_caches.cached_when_hashable(maxsize=512)
 def _copy_plan(source, target, shape: tuple, itemsize: int) -> tuple:
   """The copies that build each target slice, in tasks of about `_TASK_BYTES` (a layout
   change of many arrays of one shape is planned once): per task, per target slice, its
   bounds, its shape, and (source device, index into its shard, index into the slice) per
   source shard it takes from.
   """
-  sources = [(region, devices[0]) for region, devices in _regions.group_by_slice(source, shape)]
+  sources = [(region, devices[0]) for region, devices in _devices.group_by_slice(source, shape)]
   tasks, task, task_size = [], [], 0
-  for region, _ in _regions.group_by_slice(target, shape):
+  for region, _ in _devices.group_by_slice(target, shape):
     parts = []
     for src_region, device in sources:
       part = _regions.overlap(region, src_region)

@@ -8,13 +8,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from ucp_jax import _errors
+from ucp_jax import _errors, _multihost
 from ucp_jax.store import (
   _bundle,
   _keypath,
   _location,
   _manifest,
-  _multihost,
   _pool,
   _reader,
   _untrusted,
@@ -24,7 +23,7 @@ from ucp_jax.store import (
 from ucp_jax.store._writer import Entry
 from ucp_jax.store._writer import Writer as Writer
 from ucp_jax.store._writer import together as _together
-from ucp_jax.tree import _pending, _tree, _unchanged
+from ucp_jax.tree import _device_arrays, _pending, _tree, _unchanged
 
 DEFAULT_HOST_BYTES = 1 << 30
 """Default bound on host memory held by array data in flight during a save or restore."""
@@ -55,8 +54,11 @@ def save(
   Leaves may be `jax.Array`s on any mesh and sharding (typed PRNG keys included),
   numpy arrays and scalars, and Python `bool`/`int`/`float`/`complex`; Flax NNX
   `Variable`s are looked through. Every process of a multi-process run calls
-  `save` with its part of the same global arrays; each writes only the shards
-  it owns (`replica_id == 0`), and process 0 commits once all have written.
+  `save` with its part of the same global arrays. Each shard is written once: a
+  shard replicated over several processes is split into slabs along chunk
+  boundaries, one per process that holds it (with one process, replica 0 writes
+  it); nothing is gathered, and process 0 commits once all have written.
+  A `save_async` still running is waited for first.
 
   Example:
     >>> import jax.numpy as jnp, ucp_jax
@@ -94,6 +96,20 @@ def save(
 
   Returns:
     The checkpoint's location as a string.
+
+  Raises:
+    CheckpointExistsError: a checkpoint (or a file, or a directory that is not a
+      checkpoint) is at `path`, and `overwrite` is False where it is a checkpoint.
+    ConcurrentWriteError: another save holds `path`.
+    UnsupportedLeafError: a leaf is none of the kinds above.
+    InvalidKeyError: a leaf's name no file system can hold.
+    InvalidArgumentError: an option out of range (`compression`, `chunk_bytes`,
+      `unchanged`, metadata that is not JSON, a `base` that is not a ucp_jax checkpoint).
+    StorageError: the disk or store failed (full, permission denied, not answering).
+    Exception: the error of an earlier `save_async` of this process that failed and that
+      nobody has seen yet (through its handle's `result`, `wait_until_finished` or
+      another save) is raised here, as it was raised in the background, before anything
+      is written.
   """
 
   return run(
@@ -112,6 +128,25 @@ def save(
     base=base,
     unchanged=unchanged,
   )
+
+
+def plan_marked(tree, flat, found, target, base, pool_levels, unchanged, compression, options):
+  """`prepare`'s entries and manifest, the entries unchanged since `base` marked for reuse;
+  the base opened (`found["base"]`, None without one) and the pool's levels (`found["levels"]`)
+  are kept for the write."""
+  entries, manifest = prepare(tree, leaves=flat, **options)
+  base_ckpt = found["base"] = None if base is None else _unchanged.open_base(base)
+  levels = found["levels"] = _pool.levels_for(target, base_ckpt, pool_levels)
+  marked = _unchanged.mark(
+    entries,
+    flat,
+    base_ckpt,
+    target,
+    unchanged=unchanged,
+    compression=compression,
+    pool_levels=levels,
+  )
+  return marked, manifest
 
 
 def run(
@@ -137,19 +172,9 @@ def run(
   flat, found = {}, {}
 
   def plan() -> tuple[list[Entry], _manifest.Manifest]:
-    entries, manifest = prepare(tree, leaves=flat, **options)
-    base_ckpt = found["base"] = None if base is None else _unchanged.open_base(base)
-    levels = found["levels"] = _pool.levels_for(target, base_ckpt, pool_levels)
-    reused = _unchanged.mark(
-      entries,
-      flat,
-      base_ckpt,
-      target,
-      unchanged=unchanged,
-      compression=compression,
-      pool_levels=levels,
+    return plan_marked(
+      tree, flat, found, target, base, pool_levels, unchanged, compression, options
     )
-    return reused, manifest
 
   # A tree (or a base) rejected on one process only must stop every process, not leave
   # them waiting.
@@ -296,7 +321,7 @@ def _entry(key: str, leaf: Any, chunk_bytes: int, bundle_bytes: int | None) -> E
     python_type=python_type,
     prng_impl=impl,
   )
-  return Entry(key, info, value)
+  return Entry(key, info, _device_arrays.Sharded(value) if isinstance(value, jax.Array) else value)
 
 
 def _storable(dtype) -> bool:
@@ -326,8 +351,9 @@ def _json_checked(obj: Any, what: str) -> Any:
 def _jax_source(entries: list[Entry]) -> dict:
   meshes = []
   for e in entries:
-    sharding = getattr(e.value, "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
+    if not isinstance(e.value, _device_arrays.Sharded):
+      continue
+    mesh = getattr(e.value.array.sharding, "mesh", None)
     if mesh is not None and hasattr(mesh, "axis_names"):
       desc = {"axis_names": list(mesh.axis_names), "shape": [int(s) for s in mesh.devices.shape]}
       if desc not in meshes:

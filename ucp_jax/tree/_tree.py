@@ -27,6 +27,27 @@ def _with_value(var: Any, value: Any) -> Any:
   return var.replace(value)
 
 
+def entry_name(entry: Any) -> str:
+  """The plain name of one `jax.tree_util` path entry."""
+  import jax
+
+  if isinstance(entry, jax.tree_util.DictKey):
+    return str(entry.key)
+  if isinstance(entry, jax.tree_util.SequenceKey):
+    return str(entry.idx)
+  if isinstance(entry, jax.tree_util.GetAttrKey):
+    return entry.name
+  if isinstance(entry, jax.tree_util.FlattenedIndexKey):
+    return str(entry.key)
+  key = getattr(entry, "key", None)  # flax NNX and other custom path entries
+  return str(key) if key is not None else str(entry)
+
+
+def from_path(path: tuple[Any, ...]) -> str:
+  """The checkpoint key (`store._keypath`) of a `jax.tree_util` key path."""
+  return _keypath.join(entry_name(e) for e in path)
+
+
 def flatten(tree: Any, *, prefix: str = "") -> tuple[dict[str, Any], Callable[[dict], Any]]:
   """Flattens `tree` into `{key: leaf}` and returns the function that rebuilds it.
 
@@ -40,7 +61,7 @@ def flatten(tree: Any, *, prefix: str = "") -> tuple[dict[str, Any], Callable[[d
   variables: list[Any] = []
   duplicates: list[str] = []
   for path, leaf in pairs:
-    key = _keypath.under(prefix, _keypath.from_path(path))
+    key = _keypath.under(prefix, from_path(path))
     if key in flat:
       duplicates.append(key)
     variables.append(leaf if is_variable(leaf) else None)

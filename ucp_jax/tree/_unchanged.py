@@ -28,11 +28,10 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from ucp_jax import _errors
+from ucp_jax import _errors, _multihost
 from ucp_jax.store import (
   _chunks,
   _location,
-  _multihost,
   _pool,
   _reader,
   _regions,
@@ -57,7 +56,7 @@ def check_mode(unchanged: Any) -> None:
     )
 
 
-def open_base(base: Any) -> _reader.Checkpoint:
+def open_base(base: Any) -> _reader.StoredCheckpoint:
   """The base checkpoint of an incremental save: a committed ucp_jax checkpoint.
 
   Raises:
@@ -65,7 +64,7 @@ def open_base(base: Any) -> _reader.Checkpoint:
     InvalidArgumentError: another format's checkpoint.
   """
   ckpt = _reader.open(base)
-  if type(ckpt) is not _reader.Checkpoint:
+  if not isinstance(ckpt, _reader.StoredCheckpoint):
     raise _errors.InvalidArgumentError(
       f"base={base!s}: not a ucp_jax checkpoint ({type(ckpt).__name__}); an incremental save "
       "reuses the files of an earlier ucp_jax save"
@@ -88,12 +87,6 @@ def remember(token: str, saved: dict[str, weakref.ref]) -> None:
     _saved[token] = known
     while len(_saved) > _KEEP:
       _saved.popitem(last=False)
-
-
-def forget() -> None:
-  """Forgets every remembered save (for tests)."""
-  with _lock:
-    _saved.clear()
 
 
 def _same(token: str, key: str, leaf: Any) -> bool:

@@ -34,7 +34,7 @@ from ucp_jax.sources import _file_reads, _files, _remote
 from ucp_jax.sources._source_plan import Tensor, lazy_store
 from ucp_jax.sources.dcp import _tiling
 from ucp_jax.sources.dcp._metadata import Chunk, Stored, TensorEntry
-from ucp_jax.sources.torch import _torch_file, _torch_zip
+from ucp_jax.sources.torch import _byte_span, _torch_file
 from ucp_jax.store import _regions, _untrusted, _zarr
 
 CELL_BYTES = 1 << 20
@@ -73,7 +73,7 @@ class RankFiles:
           f"{_files.MAX_SMALL_FILE_BYTES} bytes is not read whole from an object store"
         )
       data = self._object(stored.file).pread(stored.offset, stored.length)
-      return _torch_file.load_from(_torch_zip.BytesBlob(data), f"{path}[{span[0]}:]")
+      return _torch_file.load_from(_byte_span.BytesBlob(data), f"{path}[{span[0]}:]")
     except SourceFormatError as e:
       raise type(e)(f"{e} ({what})") from e
     except OSError as e:
@@ -87,7 +87,7 @@ class RankFiles:
       if self._remote is not None:
         return _torch_file.load_from(self._object(stored.file), path, span=span, locate=True)
       with _untrusted.open_regular(path) as f:
-        return _torch_file.load_from(_torch_zip.FileBlob(f), path, span=span, locate=True)
+        return _torch_file.load_from(_byte_span.FileBlob(f), path, span=span, locate=True)
     except SourceFormatError as e:
       raise type(e)(f"{e} ({what})") from e
     except OSError as e:
@@ -104,7 +104,7 @@ class RankFiles:
     what = f"`{entry.key}` chunk at {chunk.offsets}"
     data = self._locate_span(chunk.stored, what)
     shown = f"{os.path.join(self.folder, chunk.stored.file)}: {what}"
-    if not isinstance(data, _torch_zip.ByteSpan):
+    if not isinstance(data, _byte_span.ByteSpan):
       raise SourceFormatError(f"{shown} holds a {type(data).__name__}, not a tensor")
     shape = (data.size,) if data.shape is None else data.shape
     if shape != chunk.sizes or data.dtype != entry.dtype:

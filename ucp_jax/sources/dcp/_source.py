@@ -57,6 +57,11 @@ def sniff_remote(url: str) -> bool:
   return sniff(url.rstrip("/"))
 
 
+def sniff_weak(path: str) -> bool:
+  """False: a path no source recognizes is never DCP's to explain."""
+  return False
+
+
 def describe(path: str) -> Plan:
   """The folder's parameters, slots, buffers and groups; tensors stay in the rank files.
 

@@ -46,6 +46,8 @@ MAX_NAME = 1024
 MODEL_RE = re.compile(r"^mp_rank_([0-9]+)_model_states\.pt\Z")
 ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_([0-9]+)_mp_rank_([0-9]+)_model_states\.pt\Z")
 OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_([0-9]+)_mp_rank_([0-9]+)_optim_states\.pt\Z")
+EXPERT_FILE_RE = re.compile(r"^layer_([0-9]+)_expert_([0-9]+)_mp_rank_([0-9]+)_model_states\.pt\Z")
+"""A native MoE expert's own file: its layer, its global expert number, its TP rank."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +98,14 @@ def load(path: str) -> Any:
   if root is not None and "://" not in path and os.path.isfile(path):  # (special files:
     _untrusted.check_inside(path, root)  # the reader refuses them, saying what they are)
   return _torch_file.load_named(path)
+
+
+def load_checked(path: str, spec: Any, what: str) -> Any:
+  """`load(path)`, checked against a `_contract` spec; one error, `{path}: not a {what}`,
+  lists every problem."""
+  data = load(path)
+  fail(f"{path}: not a {what}", contract.check(data, spec, path))
+  return data
 
 
 MAX_TAG_BYTES = 4096

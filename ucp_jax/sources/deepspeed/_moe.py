@@ -37,7 +37,6 @@ from ucp_jax.sources.deepspeed import _common as common
 from ucp_jax.sources.deepspeed import _contract as contract
 from ucp_jax.sources.deepspeed import _zero
 
-EXPERT_FILE_RE = re.compile(r"^layer_([0-9]+)_expert_([0-9]+)_mp_rank_([0-9]+)_model_states\.pt\Z")
 EXPP_RE = re.compile(r"^expp_rank_([0-9]+)_mp_rank_([0-9]+)_optim_states\.pt\Z")
 NATIVE_RE = re.compile(r"^(.*\.deepspeed_experts\.)([0-9]+)(\..*)\Z")
 _AUTOEP_RE = re.compile(r"^(.*\.experts\.w[0-9]+)\.([0-9]+)\Z")
@@ -51,10 +50,14 @@ def is_moe(folder: str) -> bool:
   files of tensor-parallel ranks (those go to `_tp`, which reads expert values only)."""
   names = _files.listdir(folder)
   for name in names:
-    m = common.MODEL_RE.match(name) or common.OPTIM_RE.match(name) or EXPERT_FILE_RE.match(name)
+    m = (
+      common.MODEL_RE.match(name)
+      or common.OPTIM_RE.match(name)
+      or common.EXPERT_FILE_RE.match(name)
+    )
     if m and int(m.groups()[-1]) > 0:
       return False
-  return any(EXPERT_FILE_RE.match(n) or EXPP_RE.match(n) for n in names)
+  return any(common.EXPERT_FILE_RE.match(n) or EXPP_RE.match(n) for n in names)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,11 +78,7 @@ def plan(folder: str) -> Plan:
     from ucp_jax.sources.deepspeed import _moe_plain
 
     return _moe_plain.plan(folder, names, model_path)
-  model = common.load(model_path)
-  common.fail(
-    f"{model_path}: not a DeepSpeed ZeRO model-states file",
-    contract.check(model, contract.MODEL_STATES, model_path),
-  )
+  model = common.load_checked(model_path, contract.MODEL_STATES, "DeepSpeed ZeRO model-states file")
   dp = model["dp_world_size"]
   paths = _optim_paths(folder, names, dp)
   osds, versions = _zero.load_optim_states(folder, paths)
@@ -360,13 +359,9 @@ def check_expert_files(folder: str, names: list[str], experts: list) -> None:
   on a sample: the expert-parallel layout was read right (else an error naming the experts)."""
   keys: dict[str, tuple[str, dict]] = {}
   for n in names:
-    if EXPERT_FILE_RE.match(n):
+    if common.EXPERT_FILE_RE.match(n):
       path = os.path.join(folder, n)
-      data = common.load(path)
-      common.fail(
-        f"{path}: not a DeepSpeed expert-parameters file",
-        contract.check(data, contract.EXPERTS, path),
-      )
+      data = common.load_checked(path, contract.EXPERTS, "DeepSpeed expert-parameters file")
       for key in data:
         keys[key] = (path, data)
   problems, covered = [], set()

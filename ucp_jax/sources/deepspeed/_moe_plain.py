@@ -37,11 +37,7 @@ _MAX_SEARCH = 1 << 16
 
 def plan(folder: str, names: list[str], model_path: str) -> Plan:
   """Reads a no-ZeRO MoE tag folder; see the module docstring."""
-  model = common.load(model_path)
-  common.fail(
-    f"{model_path}: not a DeepSpeed model-states file",
-    contract.check(model, PLAIN_MODEL_STATES, model_path),
-  )
+  model = common.load_checked(model_path, PLAIN_MODEL_STATES, "DeepSpeed model-states file")
   module = model["module"] or {}
   expp = {int(m.group(1)): os.path.join(folder, n) for n in names if (m := _moe.EXPP_RE.match(n))}
   osds = {e: _osd(path) for e, path in sorted(expp.items())}
@@ -139,13 +135,9 @@ def _expert_files(folder: str, names: list[str], ep: int) -> dict[str, tuple[int
   (layer by layer, experts in order: local expert j of rank e is global `e * local + j`)."""
   found = []
   for n in names:
-    if m := _moe.EXPERT_FILE_RE.match(n):
+    if m := common.EXPERT_FILE_RE.match(n):
       path = os.path.join(folder, n)
-      data = common.load(path)
-      common.fail(
-        f"{path}: not a DeepSpeed expert-parameters file",
-        contract.check(data, contract.EXPERTS, path),
-      )
+      data = common.load_checked(path, contract.EXPERTS, "DeepSpeed expert-parameters file")
       found.append((int(m.group(1)), int(m.group(2)), data))
   per_layer: dict[int, int] = {}
   for layer, _, _ in found:

@@ -10,9 +10,9 @@ pipeline module's names); native MoE runs keep experts in
 
 Each TP rank's shard of a parameter (value and every optimizer slot) is cut from its dp
 partitions by the ZeRO-1/2 converter's per-rank logic (`_zero`); the shards are then
-merged by the parameter's pattern (`_patterns`: column, row, replicated, average, sub-params,
-vocabulary padding), and a parameter held by several pipeline stages (a tied embedding) is
-checked equal across them. Patterns come from `universal_checkpoint_info` (the union over all
+merged by the parameter's pattern (`_tp_merge`: column, row, replicated, average,
+sub-params, vocabulary padding), and a parameter held by several pipeline stages (a tied
+embedding) is checked equal across them. Patterns come from `universal_checkpoint_info` (the union over all
 model-states files: AutoTP writes each pipeline stage's own) and from user rules. Experts from
 per-expert files are stacked into one `[num_experts, ...]` array (values only: DeepSpeed keeps
 native MoE optimizer state in files this reader does not parse). Every merged parameter records
@@ -33,19 +33,19 @@ from typing import Any
 
 import numpy as np
 
-from ucp_jax._errors import MappingError, SourceFormatError
-from ucp_jax.parallel import _pattern_flat, _pattern_rules, _patterns
+from ucp_jax._errors import SourceFormatError
+from ucp_jax.parallel import _pattern_rules, _patterns
 from ucp_jax.parallel._patterns import Pattern
 from ucp_jax.sources import _files
-from ucp_jax.sources._source_plan import Param, Plan, Tensor, read_pieces, release
+from ucp_jax.sources._source_plan import Param, Plan, Tensor, read_pieces
 from ucp_jax.sources.deepspeed import _common as common
 from ucp_jax.sources.deepspeed import _contract as contract
-from ucp_jax.sources.deepspeed import _zero
+from ucp_jax.sources.deepspeed import _tp_merge, _zero
 from ucp_jax.store import _untrusted
 
 _LAYER_RE = re.compile(r"^layer_([0-9]+)-model_([0-9]+)-model_states\.pt\Z")
-_EXPERT_RE = re.compile(r"^layer_([0-9]+)_expert_([0-9]+)_mp_rank_([0-9]+)_model_states\.pt\Z")
 _EXPERT_KEY_RE = re.compile(r"^(.*\.deepspeed_experts\.)(\d+)\.(.*)$")
+_MODEL_STATES = "DeepSpeed ZeRO model-states file"
 
 
 def is_model_parallel(folder: str) -> bool:
@@ -58,7 +58,7 @@ def is_model_parallel(folder: str) -> bool:
     )
     if m and int(m.groups()[-1]) > 0:
       return True
-    if _LAYER_RE.match(name) or _EXPERT_RE.match(name):
+    if _LAYER_RE.match(name) or common.EXPERT_FILE_RE.match(name):
       return True
   return False
 
@@ -85,6 +85,35 @@ def plan(folder: str, *, rules: Sequence = ()) -> Plan:
       `universal_checkpoint_info` does not describe (or describes wrongly).
   """
   names = sorted(_files.listdir(folder))
+  ranks, tp, pp = _read_ranks(folder, names)
+  info, problems = contract.universal_info(
+    union_info([r.model.get("universal_checkpoint_info") for r in ranks]), folder
+  )
+  common.fail(f"{folder}: unusable universal_checkpoint_info", problems)
+  experts = _expert_files(folder, names, tp)
+  params = _params(folder, ranks, tp, info, rules, experts)
+  model = ranks[0].model
+  if model.get("module") is not None and pp == 1:
+    params += _frozen_and_buffers_check(ranks, {p.name for p in params})
+  groups = ranks[0].osd0["base_optimizer_state"]["param_groups"]
+  stage, optimizer_class = common.optimizer_class(ranks[0].osd0)
+  source_layout = common.layout(model, stage=stage, optimizer_class=optimizer_class)
+  source_layout |= {"tp": tp, "pp": pp, "num_experts": {n: len(f) for n, f in experts.items()}}
+  extra = common.extra(model, source_layout)
+  extra["universal_checkpoint_info"] = _patterns_json(info)
+  return Plan(
+    params=params,
+    buffers={},
+    optimizer=common.optimizer_entry(groups, ranks[0].steps, model.get("ds_config")),
+    extra=extra,
+    source=common.source(folder, "zero_tp", source_layout),
+    step=common.number(model["global_steps"]),
+    path=folder,
+  )
+
+
+def _read_ranks(folder: str, names: list[str]) -> tuple[list[_Rank], int, int]:
+  """Every model-parallel rank of the folder (checked to match its layout), and tp, pp."""
   zero3 = [n for n in names if common.ZERO3_MODEL_RE.match(n)]
   common.fail(
     f"{folder}: ZeRO-3 with tensor parallelism is not supported by this reader yet (use "
@@ -100,11 +129,7 @@ def plan(folder: str, *, rules: Sequence = ()) -> Plan:
       optims.setdefault(int(m.group(3)), {})[int(m.group(2))] = os.path.join(folder, n)
   if 0 not in models:
     raise SourceFormatError(f"{folder}: mp_rank_00_model_states.pt is missing")
-  first = common.load(models[0])
-  common.fail(
-    f"{models[0]}: not a DeepSpeed ZeRO model-states file",
-    contract.check(first, contract.MODEL_STATES, models[0]),
-  )
+  first = common.load_checked(models[0], contract.MODEL_STATES, _MODEL_STATES)
   tp, pp = _degrees(first, models[0], len(models))
   problems = [
     f"mp_rank_{i:02d}_model_states.pt is missing (tp {tp} x pp {pp})"
@@ -119,15 +144,15 @@ def plan(folder: str, *, rules: Sequence = ()) -> Plan:
     _read_rank(folder, i, tp, models[i], optims.get(i, {}), first if i == 0 else None)
     for i in range(tp * pp)
   ]
-  info, problems = contract.universal_info(
-    union_info([r.model.get("universal_checkpoint_info") for r in ranks]), folder
-  )
-  common.fail(f"{folder}: unusable universal_checkpoint_info", problems)
+  return ranks, tp, pp
+
+
+def _params(folder: str, ranks: list[_Rank], tp: int, info: dict, rules: Sequence, experts):
+  """The optimized parameters: every rank's shards merged by pattern, experts stacked."""
   by_name: dict[str, dict[int, dict[int, Param]]] = {}
   for r in ranks:
     for name, p in r.params.items():
       by_name.setdefault(name, {}).setdefault(r.stage, {})[r.tp] = p
-  experts = _expert_files(folder, names, tp)
   patterns = _pattern_rules.classify(  # experts are stacked by expert, whatever the info says
     list(by_name),
     info=info,
@@ -137,31 +162,13 @@ def plan(folder: str, *, rules: Sequence = ()) -> Plan:
   )
   params, problems = [], []
   for name, stages in by_name.items():
-    p = _merged(name, stages, tp, patterns[name], problems)
+    p = _tp_merge.merged_param(name, stages, tp, patterns[name], problems)
     if p is not None:
       params.append(p)
   for name, files in experts.items():
     params.append(_experts(name, files, problems))
   common.fail(f"{folder}: the tensor-parallel fragments do not make up the parameters", problems)
-  model = ranks[0].model
-  if ranks[0].model.get("module") is not None and pp == 1:
-    params += _frozen_and_buffers_check(ranks, {p.name for p in params})
-  groups = ranks[0].osd0["base_optimizer_state"]["param_groups"]
-  steps = ranks[0].steps
-  stage, optimizer_class = common.optimizer_class(ranks[0].osd0)
-  source_layout = common.layout(model, stage=stage, optimizer_class=optimizer_class)
-  source_layout |= {"tp": tp, "pp": pp, "num_experts": {n: len(f) for n, f in experts.items()}}
-  extra = common.extra(model, source_layout)
-  extra["universal_checkpoint_info"] = _patterns_json(info)
-  return Plan(
-    params=params,
-    buffers={},
-    optimizer=common.optimizer_entry(groups, steps, model.get("ds_config")),
-    extra=extra,
-    source=common.source(folder, "zero_tp", source_layout),
-    step=common.number(model["global_steps"]),
-    path=folder,
-  )
+  return params
 
 
 def _degrees(model: dict, path: str, files: int) -> tuple[int, int]:
@@ -184,11 +191,8 @@ def _degrees(model: dict, path: str, files: int) -> tuple[int, int]:
 
 
 def _read_rank(folder, i, tp, model_path, optims, model) -> _Rank:
-  model = common.load(model_path) if model is None else model
-  common.fail(
-    f"{model_path}: not a DeepSpeed ZeRO model-states file",
-    contract.check(model, contract.MODEL_STATES, model_path),
-  )
+  if model is None:  # rank 0's, read and checked by `_read_ranks`
+    model = common.load_checked(model_path, contract.MODEL_STATES, _MODEL_STATES)
   dp = model["dp_world_size"]
   missing = [k for k in range(dp) if k not in optims]
   common.fail(
@@ -252,130 +256,15 @@ def _patterns_json(info: dict) -> dict:
   return jsonable({k: v for k, v in info.items() if k != "affine_map"})
 
 
-def merged_shape(pattern: Pattern, shapes: Sequence[tuple[int, ...]], name: str) -> tuple[int, ...]:
-  """The logical shape that TP shards of `shapes` merge into (without reading them)."""
-  if pattern.kind in ("replicated", "average"):
-    shape = list(shapes[0])
-  else:
-    dim = pattern.cat_dim
-    if any(len(s) <= dim for s in shapes):
-      raise MappingError(f"`{name}`: shards {list(shapes)} have no dim {dim} ({pattern.kind})")
-    shape = list(shapes[0])
-    shape[dim] = sum(s[dim] for s in shapes)
-  if pattern.vocab_size is not None:
-    if not 0 < pattern.vocab_size <= shape[0]:
-      raise MappingError(f"`{name}`: vocabulary size {pattern.vocab_size} of {shape[0]} rows")
-    shape[0] = pattern.vocab_size
-  return tuple(shape)
-
-
-def _merged(name: str, stages: dict[int, dict[int, Param]], tp: int, pattern: Pattern, problems):
-  """One parameter from its shards on every TP rank of every stage that holds it."""
-  missing = [
-    f"stage {s} tp {t}" for s, by_tp in stages.items() for t in range(tp) if t not in by_tp
-  ]
-  if missing:
-    problems.append(f"`{name}`: no shard on {', '.join(missing)}")
-    return None
-  first = stages[min(stages)][0]
-  keys = ["value", *first.slots]
-  shards = {s: [by_tp[t] for t in range(tp)] for s, by_tp in stages.items()}
-  try:
-    shape = merged_shape(pattern, [p.value.shape for p in shards[min(stages)]], name)
-    for s, ps in shards.items():
-      if merged_shape(pattern, [p.value.shape for p in ps], name) != shape:
-        raise MappingError(
-          f"`{name}`: stage {s}'s shards make a different shape than stage {min(stages)}'s"
-        )
-    resolved = pattern.resolved(shape)
-  except MappingError as e:
-    problems.append(str(e))
-    return None
-  tensors = {}
-  for key in keys:
-    per_stage = {
-      s: [p.value if key == "value" else p.slots.get(key) for p in ps] for s, ps in shards.items()
-    }
-    if any(t is None for ts in per_stage.values() for t in ts):
-      problems.append(f"`{name}`: slot {key} is missing on some rank")
-      return None
-    where = f"{name} ({key}; tp {tp}, stages {sorted(stages)})"
-    tensors[key] = Tensor(
-      shape,
-      per_stage[min(stages)][0].dtype,
-      _merge_pieces(name, per_stage, pattern, shape, where),
-      where,
-    )
-  value = tensors.pop("value")
-  shard = shard_block(resolved, shape, [p.value.shape for p in shards[min(stages)]], name)
-  return Param(
-    name, value, tensors, group=first.group, pattern=resolved.to_json(), shard_shape=shard
-  )
-
-
-def shard_block(
-  pattern: Pattern, shape: tuple[int, ...], shards: Sequence[tuple[int, ...]], name: str
-) -> tuple[int, ...] | None:
-  """A block that tiles the logical array along the source's TP piece boundaries (for chunks).
-
-  Chunks of this extent along `cat_dim` never straddle two TP pieces, so restoring onto a
-  mesh split like the source (or finer, by a divisor) reads only the chunks of each slice.
-  """
-  if pattern.kind not in ("column", "row", "sub_params") or len(shards) < 2:
-    return None
-  dim = pattern.cat_dim
-  unpadded = dataclasses.replace(pattern, vocab_size=None)
-  padded = list(shape)
-  padded[dim] = sum(s[dim] for s in shards)
-  widths = [[s[dim] for s in shards]] if pattern.kind != "sub_params" else None
-  lay = _patterns.layout(unpadded, padded, len(shards), widths=widths, name=name)
-  starts = {src[dim].start for pieces in lay.pieces for src, _ in pieces} - {0}
-  starts = {b for b in starts if b < shape[dim]}
-  if not starts:
-    return None
-  block = list(shape)
-  block[dim] = math.gcd(*starts)
-  return tuple(block)
-
-
-def _merge_pieces(
-  name: str, per_stage: dict[int, list[Tensor]], pattern: Pattern, shape: tuple, where: str
-):
-  def pieces() -> list[np.ndarray]:
-    itemsize = np.dtype(per_stage[min(per_stage)][0].dtype).itemsize
-    _untrusted.check_allocation(math.prod(shape) * itemsize, where)  # sizes from the files
-    merged = {}
-    for s, tensors in per_stage.items():
-      shards = [read_pieces(t.pieces()) for t in tensors]
-      out = _pattern_flat.merge_flat(shards, [t.shape for t in tensors], pattern, name=name)
-      if len(per_stage) == 1 and isinstance(out, list):  # replicated: rank 0's pieces
-        release([p for ps in shards[1:] for p in ps])
-        return out
-      if isinstance(out, list):
-        out = _pattern_flat.whole(out, tensors[0].shape)
-      merged[s] = np.ascontiguousarray(out)
-      release([p for ps in shards for p in ps])
-    out = (
-      merged[min(merged)] if len(merged) == 1 else _patterns.merge_stage_copies(merged, name=name)
-    )
-    return [out.reshape(-1)]
-
-  return pieces
-
-
 def _expert_files(folder: str, names: list[str], tp: int) -> dict[str, dict[int, tuple[str, str]]]:
   """`{stacked name: {expert: (file, key)}}` from native MoE per-expert files (TP rank 0)."""
   out: dict[str, dict[int, tuple[str, str]]] = {}
   for n in names:
-    m = _EXPERT_RE.match(n)
+    m = common.EXPERT_FILE_RE.match(n)
     if not m or int(m.group(3)) != 0:
       continue
     path = os.path.join(folder, n)
-    data = common.load(path)
-    common.fail(
-      f"{path}: not a DeepSpeed expert-parameters file",
-      contract.check(data, contract.EXPERTS, path),
-    )
+    data = common.load_checked(path, contract.EXPERTS, "DeepSpeed expert-parameters file")
     for key in data:
       k = _EXPERT_KEY_RE.match(key)
       if k is None or int(k.group(2)) != int(m.group(2)):

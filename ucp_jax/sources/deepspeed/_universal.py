@@ -36,6 +36,54 @@ def is_universal(folder: str) -> bool:
 
 def plan(folder: str) -> Plan:
   """Reads the metadata of a DeepSpeed universal folder; see the module docstring."""
+  _refuse_model_parallel(folder)
+  opt_path = os.path.join(folder, "zero", "optimizer_state.pt")
+  opt, stage, optimizer_class, models, model_paths = _read_states(folder, opt_path)
+  model, model_path = models[0], model_paths[0]
+  problems: list[str] = []
+  shapes = common.shapes_of(model, model_path, problems)
+  groups = opt["param_groups"]
+  if stage == 3:
+    owner = _zero3.group_of_subgroups(groups, len(shapes), opt_path, "['param_groups']")
+  else:
+    owner = list(range(len(shapes)))
+    if not isinstance(groups, list) or len(groups) != len(shapes):
+      problems.append(f"{opt_path}: ['param_groups'] does not have {len(shapes)} groups")
+  common.fail(f"{folder}: optimizer state and model states disagree", problems)
+  params, steps = _params_and_steps(folder, shapes, owner, stage, problems)
+  if stage == 3:
+    for s in range(len(shapes)):
+      state = opt["optimizer_state_dict"]["state"].get(s)
+      if isinstance(state, dict) and "step" in state:
+        where = f"{opt_path} ['optimizer_state_dict']['state'][{s}]['step']"
+        steps.setdefault(owner[s], []).append((where, np.asarray(state["step"]).item()))
+  for g, found in steps.items():
+    problems += common.same_everywhere(found, f"group {g}'s optimizer step")
+  common.fail(f"{folder}: unreadable parameter files", problems)
+  params = _moe.stack_universal(params, groups, problems)
+  common.fail(f"{folder}: unreadable expert parameter files", problems)
+  optimized = {p.name for p in params}
+  tied, buffers, leftovers = common.model_extras(model, model_path, optimized)
+  aliases, leftovers = _moe.module_aliases(model, leftovers, optimized)
+  if stage == 3:
+    params += _zero3.frozen_params(models, model_paths, model["dp_world_size"])
+  else:
+    params += _zero.frozen_params(model, model_path, leftovers)
+  params += tied + aliases
+  source_layout = common.layout(model, stage=stage, optimizer_class=optimizer_class)
+  group_steps = [steps[g][0][1] if g in steps else None for g in range(len(groups))]
+  return Plan(
+    params=params,
+    buffers=buffers,
+    optimizer=common.optimizer_entry(groups, group_steps, model.get("ds_config")),
+    extra=common.extra(model, source_layout),
+    source=common.source(folder, "universal", source_layout),
+    step=common.number(model["global_steps"]),
+    path=folder,
+  )
+
+
+def _refuse_model_parallel(folder: str) -> None:
   others = _other_model_ranks(folder)
   if others:  # its zero/ files are merged; param_shapes are per rank, and per stage
     shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
@@ -44,7 +92,11 @@ def plan(folder: str) -> Plan:
       "reads the universal form of single-rank runs only. Convert the DeepSpeed checkpoint "
       "that ds_to_universal read (its tag folder) instead: convert merges the ranks itself"
     )
-  opt_path = os.path.join(folder, "zero", "optimizer_state.pt")
+
+
+def _read_states(folder: str, opt_path: str):
+  """`zero/optimizer_state.pt` and the model states beside it, checked:
+  (optimizer state, ZeRO stage, optimizer class, model states, their paths)."""
   opt = common.load(opt_path)
   problems = contract.check(opt, contract.UNIVERSAL_OPTIM, opt_path)
   stage, optimizer_class = common.optimizer_class(opt) if not problems else (0, "")
@@ -63,21 +115,14 @@ def plan(folder: str) -> Plan:
   if stage == 3:
     models = _zero3.load_models(folder, model_paths)
   else:
-    models = [common.load(model_paths[0])]
-    common.fail(
-      f"{model_paths[0]}: not a DeepSpeed model-states file (expected keys {common.MODEL_KEYS})",
-      contract.check(models[0], contract.MODEL_STATES, model_paths[0]),
-    )
-  model, model_path = models[0], model_paths[0]
-  shapes = common.shapes_of(model, model_path, problems)
-  groups = opt["param_groups"]
-  if stage == 3:
-    owner = _zero3.group_of_subgroups(groups, len(shapes), opt_path, "['param_groups']")
-  else:
-    owner = list(range(len(shapes)))
-    if not isinstance(groups, list) or len(groups) != len(shapes):
-      problems.append(f"{opt_path}: ['param_groups'] does not have {len(shapes)} groups")
-  common.fail(f"{folder}: optimizer state and model states disagree", problems)
+    what = f"DeepSpeed model-states file (expected keys {common.MODEL_KEYS})"
+    models = [common.load_checked(model_paths[0], contract.MODEL_STATES, what)]
+  return opt, stage, optimizer_class, models, model_paths
+
+
+def _params_and_steps(folder, shapes, owner, stage, problems):
+  """Every parameter of `param_shapes` from its `zero/<name>/` files, and the steps found
+  there by group (`{group: [(file, step)]}`); problems noted."""
   params, steps = [], {}
   for s, sub in enumerate(shapes):
     for name, shape in sub.items():
@@ -92,37 +137,7 @@ def plan(folder: str) -> Plan:
     for p in params
     for slot in sorted(slot_names - set(p.slots))
   ]
-  if stage == 3:
-    for s in range(len(shapes)):
-      state = opt["optimizer_state_dict"]["state"].get(s)
-      if isinstance(state, dict) and "step" in state:
-        where = f"{opt_path} ['optimizer_state_dict']['state'][{s}]['step']"
-        steps.setdefault(owner[s], []).append((where, np.asarray(state["step"]).item()))
-  for g, found in steps.items():
-    problems += common.same_everywhere(found, f"group {g}'s optimizer step")
-  common.fail(f"{folder}: unreadable parameter files", problems)
-  params = _moe.stack_universal(params, groups, problems)
-  common.fail(f"{folder}: unreadable expert parameter files", problems)
-  optimized = {p.name for p in params}
-  tied, buffers, leftovers = common.model_extras(model, model_path, optimized)
-  aliases, leftovers = _moe.module_aliases(model, leftovers, optimized)
-  tied += aliases
-  if stage == 3:
-    params += _zero3.frozen_params(models, model_paths, model["dp_world_size"])
-  else:
-    params += _zero.frozen_params(model, model_path, leftovers)
-  params += tied
-  source_layout = common.layout(model, stage=stage, optimizer_class=optimizer_class)
-  group_steps = [steps[g][0][1] if g in steps else None for g in range(len(groups))]
-  return Plan(
-    params=params,
-    buffers=buffers,
-    optimizer=common.optimizer_entry(groups, group_steps, model.get("ds_config")),
-    extra=common.extra(model, source_layout),
-    source=common.source(folder, "universal", source_layout),
-    step=common.number(model["global_steps"]),
-    path=folder,
-  )
+  return params, steps
 
 
 def _other_model_ranks(folder: str) -> list[str]:

@@ -38,10 +38,10 @@ _PER_GROUP = ("single_partition_of_fp32_groups", "group_paddings", "param_slice_
 def plan(files: common.TagFiles) -> Plan:
   """Reads the metadata of a ZeRO-1/2 or BF16-optimizer tag folder; see the module docstring."""
   model_path = files.models[0]
-  model = common.load(model_path)
-  common.fail(
-    f"{model_path}: not a DeepSpeed ZeRO model-states file (expected keys {common.MODEL_KEYS})",
-    contract.check(model, contract.MODEL_STATES, model_path),
+  model = common.load_checked(
+    model_path,
+    contract.MODEL_STATES,
+    f"DeepSpeed ZeRO model-states file (expected keys {common.MODEL_KEYS})",
   )
   paths = common.check_ranks(files, model["dp_world_size"], model_path)
   osds, versions = load_optim_states(files.folder, paths)

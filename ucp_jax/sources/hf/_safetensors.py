@@ -26,7 +26,7 @@ import itertools
 import math
 import mmap
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import ml_dtypes
 import numpy as np
@@ -534,13 +534,6 @@ def _only_listed(index: str, file: SafetensorsFile, weight_map: dict[str, str]) 
   the tensors parsed are then at most those the index lists, and one shard's."""
   problems = [p for name in file.tensors for p in _misplaced(file.path, name, weight_map.get(name))]
   fail(index, "the shards do not match the index", problems)
-
-
-def iter_files(folder: str) -> Iterator[str]:
-  """The safetensors files of a folder, sorted."""
-  for name in sorted(os.listdir(folder)):
-    if name.endswith(".safetensors"):
-      yield os.path.join(folder, name)
 
 
 def _some(names: list[str]) -> str:

@@ -54,6 +54,11 @@ def sniff_remote(url: str) -> bool:
     return False
 
 
+def sniff_weak(path: str) -> bool:
+  """False: a path no source recognizes is never Orbax's to explain."""
+  return False
+
+
 def describe(path: str, *, hyperparams: dict | list[dict] | None = None) -> Plan:
   """Every leaf of the checkpoint as a lazily read array, from the metadata only.
 

@@ -28,9 +28,9 @@ from ucp_jax._errors import SourceFormatError, bullet_list
 from ucp_jax.sources import _files
 from ucp_jax.sources._source_plan import Param, Plan, jsonable, number
 from ucp_jax.sources.torch import _optimizer, _torch_file
+from ucp_jax.sources.torch._byte_span import ByteSpan
 from ucp_jax.sources.torch._optimizer import whole
 from ucp_jax.sources.torch._torch_file import is_tensor
-from ucp_jax.sources.torch._torch_zip import ByteSpan
 from ucp_jax.store import _untrusted
 
 NAME = "torch"
@@ -73,6 +73,11 @@ def sniff(path: str) -> bool:
 def sniff_remote(url: str) -> bool:
   """`sniff` for a URL: a torch file by its suffix, or a prefix holding exactly one."""
   return sniff(url.rstrip("/"))
+
+
+def sniff_weak(path: str) -> bool:
+  """False: a path no source recognizes is never torch's to explain."""
+  return False
 
 
 def describe(path: str, *, param_names: list[list[str]] | None = None) -> Plan:

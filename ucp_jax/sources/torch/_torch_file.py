@@ -41,7 +41,7 @@ import ml_dtypes
 import numpy as np
 
 from ucp_jax._errors import SourceFormatError
-from ucp_jax.sources.torch import _pickle_limits, _torch_pickle, _torch_zip
+from ucp_jax.sources.torch import _byte_span, _pickle_limits, _torch_pickle, _torch_zip
 from ucp_jax.sources.torch._torch_pickle import Allowed
 from ucp_jax.sources.torch._torch_pickle import InertGlobal as InertGlobal
 from ucp_jax.sources.torch._torch_pickle import InertObject as InertObject
@@ -130,7 +130,7 @@ class _StorageType:
 
 def is_tensor(value: Any) -> bool:
   """Whether `value` is a tensor of a loaded file: an array, or a located `ByteSpan`."""
-  return isinstance(value, (np.ndarray, _torch_zip.ByteSpan))
+  return isinstance(value, (np.ndarray, _byte_span.ByteSpan))
 
 
 def load_named(path: str) -> Any:
@@ -172,11 +172,11 @@ def load(path: str | os.PathLike, *, mmap: bool = True, span: tuple[int, int] | 
   """
   path = os.fspath(path)
   with _untrusted.open_regular(path) as f:
-    return load_from(_torch_zip.FileBlob(f), path, mmap=mmap, span=span)
+    return load_from(_byte_span.FileBlob(f), path, mmap=mmap, span=span)
 
 
 def load_from(
-  blob: _torch_zip.Blob,
+  blob: _byte_span.Blob,
   path: str,
   *,
   mmap: bool = False,
@@ -185,7 +185,7 @@ def load_from(
 ) -> Any:
   """`load` of a torch file held by `blob` (named `path` in messages).
 
-  With `locate`, no tensor bytes are read: each tensor is a `_torch_zip.ByteSpan`, where its
+  With `locate`, no tensor bytes are read: each tensor is a `_byte_span.ByteSpan`, where its
   elements lie in the blob (after every check `load` makes of shapes, strides and storages).
   """
   shown = path if span is None else f"{path}[{span[0]}:{span[0] + span[1]}]"
@@ -329,7 +329,7 @@ class _Tensors:
     contiguous = tuple(math.prod(size[i + 1 :]) for i in range(len(size)))
     if not numel or all(n == 1 or s == c for n, s, c in zip(size, stride, contiguous)):
       return data[offset : offset + numel].reshape(size)
-    if isinstance(data, _torch_zip.ByteSpan):
+    if isinstance(data, _byte_span.ByteSpan):
       return data.strided(offset, size, stride)
     strides = tuple(s * data.itemsize for s in stride)
     return np.lib.stride_tricks.as_strided(data[offset:], size, strides, writeable=False)

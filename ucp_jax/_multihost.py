@@ -1,4 +1,11 @@
-"""What several JAX processes must agree on during a save: a token, and that all went well."""
+"""The processes of a run, and what they must agree on during a save: a token, and that all
+went well.
+
+A run of several processes is a `jax.distributed` run (a training job, or `ucp convert
+--processes N`), so this module speaks to jax's coordination service; it finds jax in
+`sys.modules` and never imports it: a process that has not loaded jax runs alone. It sits
+below the store (which imports no jax) as the one place that knows the processes of a run.
+"""
 
 from __future__ import annotations
 
