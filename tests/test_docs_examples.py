@@ -26,7 +26,6 @@ from ucp_jax import _cli
 ROOT = doc_blocks.ROOT
 
 
-
 def _needs(group: doc_blocks.Group) -> tuple[bool, tuple[str, ...]]:
   setups = [doc_fixtures.SETUPS[s] for s in group.setups if s in doc_fixtures.SETUPS]
   slow = any(b.slow for b in group.blocks) or any(s.slow for s in setups)
