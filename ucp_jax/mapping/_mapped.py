@@ -1,8 +1,8 @@
 """A checkpoint seen through a mapping: target keys, target layouts, nothing read up front.
 
-`MappedCheckpoint` offers what `restore` and `Checkpoint` readers use (`keys()`,
-`[key] -> ArrayInfo`, `open_future`, `tensorstore`, `read`, `manifest`, `location`),
-so it restores, reads and maps further like the checkpoint it wraps. Each target
+`MappedCheckpoint` is a `Checkpoint` (store/_checkpoint.py: `keys()`, `[key] -> ArrayInfo`,
+`open_future`, `read`, `describe`, ...), so it restores, reads and maps further like the
+checkpoint it wraps. Each target
 array is a TensorStore view over the stored source arrays, built only from index
 transforms and virtual stacks: indexing it with a device's slice and reading
 touches only the stored chunks under that slice.
@@ -27,18 +27,19 @@ import tensorstore as ts
 
 from ucp_jax.mapping import _plan
 from ucp_jax.mapping._transforms import Cast, Split, SubParam, Transpose
-from ucp_jax.store import _keypath, _reader
+from ucp_jax.store import _hostmem, _keypath
+from ucp_jax.store._checkpoint import Checkpoint
 from ucp_jax.store._manifest import ArrayInfo
 
 
-class MappedCheckpoint(_reader.Checkpoint):
+class MappedCheckpoint(Checkpoint):
   """A read-only view of `base` with the keys and layouts a mapping stage makes.
 
   Keys outside `subtree` (when given) are left out; keys inside it are matched
   relative to it, and the target keys are placed below it again.
   """
 
-  def __init__(self, base: _reader.Checkpoint, entries: dict[str, _plan.Entry], subtree: str = ""):
+  def __init__(self, base: Checkpoint, entries: dict[str, _plan.Entry], subtree: str = ""):
     self.base = base
     self._prefix = subtree
     self._entries = {_keypath.under(subtree, k): e for k, e in entries.items()}
@@ -75,10 +76,6 @@ class MappedCheckpoint(_reader.Checkpoint):
 
     return _after_all(futures, build)
 
-  def files(self, key: str) -> None:
-    """None: a mapped array is read through its view or `start_read`, never by chunk files."""
-    self[key]
-
   def reads_directly(self, key: str) -> bool:
     """Whether `start_read` reads `key`: its source is read directly, its rule maps regions."""
     entry = self._entries[key]
@@ -110,7 +107,7 @@ class MappedCheckpoint(_reader.Checkpoint):
     if not rule.transforms and len(reads) == len(pieces) == len(regions):
       return self.base.start_read(source, regions)
     dtype = np.dtype(self[key].dtype)
-    outs = [_fresh(tuple(s.stop - s.start for s in r), dtype) for r in regions]
+    outs = [_hostmem.fresh_empty(tuple(s.stop - s.start for s in r), dtype) for r in regions]
     users: list[list[int]] = [[] for _ in reads]
     for n, (block, _) in enumerate(uses):
       users[block].append(n)
@@ -140,24 +137,16 @@ class MappedCheckpoint(_reader.Checkpoint):
 
     return outs, finish
 
+  def replaced(self) -> bool:
+    """Whether the checkpoint under the view was replaced since it was opened."""
+    return self.base.replaced()
+
   def verify(self, on_array=None) -> dict[str, str]:
+    """Verifies the checkpoint under the view (its arrays, by its keys)."""
     return self.base.verify(on_array)
 
   def __repr__(self) -> str:
     return f"MappedCheckpoint({self.base!r}, arrays={len(self._entries)})"
-
-
-_ALIGN = 64  # XLA's CPU client adopts host buffers aligned to this many bytes
-
-
-def _fresh(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-  """An aligned buffer for the devices to adopt, from numpy rather than `_hostmem`'s pool:
-  the pool serves the read blocks, all of a few sizes, which a request of another size
-  (these vary by array) would flush."""
-  nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-  raw = np.empty(nbytes + _ALIGN, np.uint8)
-  offset = (-raw.ctypes.data) % _ALIGN
-  return raw[offset : offset + nbytes].view(dtype).reshape(shape)
 
 
 PIECE_BYTES = 32 << 20

@@ -82,7 +82,7 @@ def _read_run(path, offset, shape, dtype: np.dtype, region: Region, out: np.ndar
 
 def _read_shared(path, offset, shape, dtype, block: Region, regions, outs, identity=()) -> None:
   """Reads `block` (rows, and a column span with whole trailing dims) once; copies out `regions`."""
-  rows = np.empty(tuple(s.stop - s.start for s in block), dtype)
+  rows = _hostmem.aligned_empty(tuple(s.stop - s.start for s in block), dtype)  # pooled: warm
   if _contiguous(block, shape):
     _read_run(path, offset, shape, dtype, block, rows, identity)
   else:  # each row's span of columns is one run

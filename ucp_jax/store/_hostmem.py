@@ -21,14 +21,8 @@ import os
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING
 
 import numpy as np
-
-from ucp_jax.store import _regions
-
-if TYPE_CHECKING:
-  import jax
 
 _ALIGN = 64  # XLA's CPU client aliases host buffers aligned to this many bytes
 POOLED_BYTES = 1 << 20
@@ -36,7 +30,6 @@ POOLED_BYTES = 1 << 20
 IDLE_SECONDS = 10.0
 """How long an unused buffer stays in the pool."""
 _PAGE = mmap.PAGESIZE
-_HUGE_ADVICE_BYTES = 4 << 20
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -51,35 +44,34 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
   return raw[offset : offset + nbytes].view(dtype).reshape(shape)
 
 
-def to_device(host: np.ndarray, device: jax.Device) -> jax.Array:
-  """Puts `host` on `device`; on CPU an aligned buffer is adopted, not copied.
-
-  The caller must not write to `host` afterwards.
+def fresh_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+  """An uninitialized C-contiguous array in a mapping of its own (page-aligned), outside the
+  pool: for buffers that outlive the restore that makes them (the slices devices adopt),
+  whose varied sizes would flush the pool's warm read blocks. Unlike numpy's large arrays
+  its pages are not advised huge (`_new_block`): on a 2-core VM filling 1 GiB of fresh numpy
+  memory took 2.3-3 s, of such a mapping 0.6-0.9 s.
   """
-  import jax
-
-  return jax.device_put(host, device, may_alias=True)
-
-
-def adopts(sharding: jax.sharding.Sharding) -> bool:
-  """Whether the devices of `sharding` take host buffers as they are (CPU devices)."""
-  return all(d.platform == "cpu" for d in sharding.device_set)
-
-
-def adopt(
-  shape: tuple[int, ...], sharding: jax.sharding.Sharding, hosts: dict[tuple, np.ndarray]
-) -> jax.Array:
-  """The array over `sharding` whose every slice is the host buffer of its region (keyed by
-  `_regions.bounds`), put on this process's devices in one call: on CPU an aligned buffer
-  is adopted, not copied (8x faster than a `to_device` per slice).
-
-  The caller must not write to the buffers afterwards.
-  """
-  import jax
-
-  return jax.make_array_from_callback(
-    shape, sharding, lambda index: hosts[_regions.bounds(index, shape)]
+  dtype = np.dtype(dtype)
+  nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+  if nbytes < POOLED_BYTES:
+    return aligned_empty(shape, dtype)
+  return (
+    np.frombuffer(_new_block(-(-nbytes // _PAGE) * _PAGE), np.uint8, nbytes)
+    .view(dtype)
+    .reshape(shape)
   )
+
+
+def _new_block(size: int) -> mmap.mmap:
+  """A fresh anonymous mapping of `size` bytes (a multiple of the page size); unmapped when
+  the last array over it goes.
+
+  No `MADV_HUGEPAGE` (numpy advises it for its large arrays): where the kernel defragments
+  for advised regions on fault (THP `defrag` = `madvise`, a common default), a fault may wait
+  for memory compaction. On a 2-core VM that made filling 1 GiB of fresh memory take
+  0.25-2.8 s, against a steady 0.6-0.9 s in 4 KiB pages.
+  """
+  return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
 def pool_limit() -> int:
@@ -137,11 +129,7 @@ class _Pool:
         unused, self._free, self._free_bytes = self._free, {}, 0
     if block is None:
       del unused  # unmapped here, outside the lock
-      block = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-      if size >= _HUGE_ADVICE_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
-        # as numpy does for its large arrays; a kernel without huge pages refuses (EINVAL)
-        with contextlib.suppress(OSError):
-          block.madvise(mmap.MADV_HUGEPAGE)
+      block = _new_block(size)
     lease = np.frombuffer(block, np.uint8, nbytes)  # every view of it keeps it alive
     # Not at exit: arrays still alive then may still be read (by atexit handlers, daemon
     # threads), so their buffers must not be lent again.

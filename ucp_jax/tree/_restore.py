@@ -12,9 +12,9 @@ import numpy as np
 import tensorstore as ts
 
 from ucp_jax import _errors
-from ucp_jax.store import _hostmem, _keypath, _reader, _regions, _untrusted, _zarr
+from ucp_jax.store import _checkpoint, _hostmem, _keypath, _reader, _regions, _untrusted, _zarr
 from ucp_jax.store._manifest import ArrayInfo
-from ucp_jax.tree import _save, _tree, _unchanged
+from ucp_jax.tree import _devices, _save, _tree, _unchanged
 
 if TYPE_CHECKING:
   from ucp_jax.mapping._mapping import RuleSet
@@ -76,6 +76,11 @@ def restore(
       into a Flax model; devices still read only their slices.
     max_host_bytes: bound on array bytes held in host memory at once.
 
+  Returns:
+    A pytree of `target`'s structure, each leaf built as its target leaf says (a
+    `jax.Array` on its sharding, a numpy array, a Python number); with no target,
+    nested dicts of numpy arrays by key path.
+
   Raises:
     CheckpointNotFoundError, ManifestError: no readable checkpoint at `path`.
     TreeMismatchError: keys missing from the checkpoint, or unexpected ones (all listed).
@@ -111,7 +116,7 @@ def _read_all(ckpt: _reader.Checkpoint, wants: dict[str, _Want], max_host_bytes:
   try:
     return _Reads(ckpt, max_host_bytes).run(wants)
   except _errors.CorruptCheckpointError as e:
-    raise _reader.if_replaced(ckpt, e) from e
+    raise _checkpoint.if_replaced(ckpt, e) from e
 
 
 def _restore_untargeted(ckpt: _reader.Checkpoint, prefix: str, max_host_bytes: int) -> Any:
@@ -181,18 +186,18 @@ def _validate(
       f"{ckpt.location}: target and checkpoint keys differ:\n" + _errors.bullet_list(lines)
     )
   shapes, dtypes, shardings = [], [], []
-  describe = getattr(ckpt, "describe", None)  # a mapped view says where a key comes from
   for key, want in wants.items():
     info = stored[key]
     shape = _logical_shape(info)
-    origin = f" ({describe(key)})" if describe is not None else ""
+    where = ckpt.describe(key)  # a mapped view says where a key comes from
+    origin = f" ({where})" if where else ""
     if want.shape is not None and want.shape != shape:
       shapes.append(f"{key}: shape {want.shape} in target, {shape} in checkpoint{origin}")
     problem = _dtype_problem(want, info, cast)
     if problem:
       dtypes.append(f"{key}: {problem}{origin}")
     if want.sharding is not None:
-      problem = _regions.sharding_problem(want.sharding, shape)
+      problem = _devices.sharding_problem(want.sharding, shape)
       if problem:
         shardings.append(f"{key}: {problem}")
   for kind, lines, what in (
@@ -262,7 +267,7 @@ class _Reads:
     for unit in units:
       by_key[unit[0].key] = by_key.get(unit[0].key, 0) + unit[-1]
     total = sum(by_key.values())
-    kept = all(w.as_ != "jax" or _hostmem.adopts(w.sharding) for w in wants.values())
+    kept = all(w.as_ != "jax" or _devices.on_cpu(w.sharding) for w in wants.values())
     nbytes = total if kept else min(total, self._budget + max((u[-1] for u in units), default=0))
     largest = max(by_key, key=by_key.get, default=None)
     what = f"{self._ckpt.location}: restoring {len(wants)} arrays (the largest `{largest}`)"
@@ -300,7 +305,7 @@ class _Reads:
     if want.as_ != "jax":
       yield want, (), None, max(1, int(np.prod(info.shape))) * itemsize
       return
-    by_slice = _regions.group_by_slice(want.sharding, _logical_shape(info))
+    by_slice = _devices.group_by_slice(want.sharding, _logical_shape(info))
     for index, devices in by_slice:
       size = _regions.size(index)
       full_index = index + (slice(None),) * (len(info.shape) - len(index))
@@ -323,11 +328,11 @@ class _Reads:
         host = host.astype(want.dtype)
       if devices is None:
         pieces[want.key][None] = host
-      elif _hostmem.adopts(want.sharding):
+      elif _devices.on_cpu(want.sharding):
         pieces[want.key][_regions.bounds(index, data_shape)] = host
       else:
         for device in devices:
-          pieces[want.key][device] = _hostmem.to_device(host, device)
+          pieces[want.key][device] = _devices.to_device(host, device)
     return nbytes
 
   def _assemble(self, want: _Want, pieces: dict) -> Any:
@@ -341,8 +346,8 @@ class _Reads:
     prng = want.prng or info.kind == "prng_key"  # (a bare Sharding target: typed keys too)
     if prng:
       shape, sharding = info.shape, _key_data_sharding(sharding, len(shape), len(info.shape))
-    if _hostmem.adopts(sharding):
-      data = _hostmem.adopt(shape, sharding, pieces)
+    if _devices.on_cpu(sharding):
+      data = _devices.adopt(shape, sharding, pieces)
     else:
       data = jax.make_array_from_single_device_arrays(
         shape, sharding, [pieces[d] for d in sharding.addressable_devices]
