@@ -34,7 +34,6 @@ default; optax.adamw does not clip). Needs torch 2.13 and deepspeed 0.19.8
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
@@ -45,10 +44,9 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _continuity as continuity
-from _continuity import MeshTrainer, arithmetic_batch
-from _ds_launch import launch_ranks
+from _continuity import REPO, DsJob, MeshTrainer, arithmetic_batch
+from _ds_launch import init_rank
 
-REPO = Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-5
 SEED = 1234
 GLOBAL_BATCH = 6  # divisible by every DP degree used (1, 2, 3) and by the mesh's data axis (2)
@@ -80,46 +78,16 @@ def ds_config(dp: int, *, load_universal: bool = False) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class DsJob:
-  """What one DeepSpeed launch does on each rank.
-
-  Attributes:
-    first: the global step index of the first batch trained.
-    steps: steps to train.
-    save_after: save a checkpoint to `save_dir` after this many steps (None: never).
-    save_dir: where to save.
-    load_dir: load this universal checkpoint (and `finish_load`) before training.
-    out: rank 0 writes `{"losses": [...]}` here.
-  """
-
-  first: int
-  steps: int
-  out: str
-  save_after: int | None = None
-  save_dir: str | None = None
-  load_dir: str | None = None
-
-
 def rank_main(job_path: str) -> None:
   """One DeepSpeed rank: build the seeded torch GPT, (load,) train, (save,) record losses."""
-  os.environ.setdefault("DS_ACCELERATOR", "cpu")
-  import torch
-
-  torch.set_num_threads(1)
-  torch.use_deterministic_algorithms(True, warn_only=True)
-  # Deterministic mode also fills every new uninitialized tensor with NaN, and ZeRO-2 allocates
-  # its buffers every step: about 2 s a step here instead of 0.02 s. The algorithms stay
-  # deterministic without the fill.
-  torch.utils.deterministic.fill_uninitialized_memory = False
-  import deepspeed
+  # No NaN fill of uninitialized memory: ZeRO-2 allocates its buffers every step, about 2 s a
+  # step here instead of 0.02 s. The algorithms stay deterministic without the fill.
+  torch, deepspeed = init_rank(deterministic=True)
   import deepspeed.comm as dist
   from torch_twins import TorchGPT
 
-  from ucp_jax import deepspeed as ucp_deepspeed
   from ucp_jax.models.gpt import GPTConfig
 
-  deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
   deepspeed.init_distributed(dist_backend="gloo")
   rank, world = dist.get_rank(), dist.get_world_size()
   job = DsJob(**json.loads(Path(job_path).read_text()))
@@ -130,19 +98,14 @@ def rank_main(job_path: str) -> None:
   engine, _, _, _ = deepspeed.initialize(
     model=model, model_parameters=model.parameters(), config=config
   )
-  if job.load_dir is not None:
-    engine.load_checkpoint(job.load_dir)
-    ucp_deepspeed.finish_load(engine, job.load_dir)
-  losses = continuity.ds_train(
+  losses = continuity.run_job(
     engine,
+    job,
     batch,
-    job.first,
-    job.steps,
     logits=lambda engine, tokens: engine(tokens),
     save=lambda: engine.save_checkpoint(
       job.save_dir, client_state={"universal_checkpoint_info": {}}
     ),
-    save_after=job.save_after,
   )
   if rank == 0:
     Path(job.out).write_text(json.dumps({"losses": losses, "global_steps": engine.global_steps}))
@@ -153,14 +116,7 @@ def rank_main(job_path: str) -> None:
 
 def launch(dp: int, job: DsJob, workdir: Path, timeout: float = 600) -> list[float]:
   """Runs `job` on `dp` DeepSpeed ranks (plain processes on 127.0.0.1); its losses."""
-  workdir.mkdir(parents=True, exist_ok=True)
-  job_path = workdir / "job.json"
-  job_path.write_text(json.dumps(dataclasses.asdict(job)))
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-  env.pop("XLA_FLAGS", None)
-  cmd = [sys.executable, __file__, "--rank-job", str(job_path)]
-  launch_ranks(dp, cmd, workdir, what="DeepSpeed", timeout=timeout, env=env)
-  return json.loads(Path(job.out).read_text())["losses"]
+  return continuity.launch(__file__, dp, job, workdir, what="DeepSpeed", timeout=timeout)
 
 
 # --------------------------------------------------------------------------------------------

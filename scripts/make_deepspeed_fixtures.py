@@ -39,7 +39,14 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ds_launch import ds_to_universal, install_fixture, launch_ranks
+from _ds_launch import (
+  dir_size,
+  ds_to_universal,
+  init_rank,
+  install_fixture,
+  launch_ranks,
+  token_batch,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -150,27 +157,15 @@ def _build_model():
 
 def _batch(rank: int, step: int):
   """Deterministic token batch for ``rank`` at ``step``: (inputs, next-token targets)."""
-  import torch
-
-  gen = torch.Generator().manual_seed(SEED + 1000 * step + rank)
-  tokens = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=gen)
-  return tokens[:, :-1], tokens[:, 1:]
+  return token_batch(SEED + 1000 * step + rank, VOCAB, MICRO_BATCH, SEQ)
 
 
 def worker(name: str, ckpt_dir: str, info_path: str) -> None:
   """Trains ``STEPS`` steps on this rank, saves the checkpoint; rank 0 writes partial info."""
-  os.environ.setdefault("DS_ACCELERATOR", "cpu")
-  import torch
-
-  torch.set_num_threads(1)
   # DeepSpeed leaves some padding (ZeRO-3's last-rank partition tails) as torch.empty memory;
-  # this fills such memory with NaN so files regenerate byte-identical (and stale padding shows).
-  torch.use_deterministic_algorithms(True, warn_only=True)
-  torch.utils.deterministic.fill_uninitialized_memory = True
-  import deepspeed
+  # filling such memory with NaN makes files regenerate byte-identical (and stale padding shows).
+  torch, deepspeed = init_rank(deterministic=True, fill_uninitialized=True)
   import deepspeed.comm as dist
-
-  deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
   torch.manual_seed(SEED)
   model = _build_model()
@@ -253,10 +248,6 @@ def worker(name: str, ckpt_dir: str, info_path: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _dir_size(path: Path) -> int:
-  return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
 def make_fixture(name: str, out: Path, timeout: float = 600.0) -> dict[str, Any]:
   """Generates fixture ``name`` under ``out/name`` (replacing it). Returns a summary dict."""
   _, _, dp, _ = FIXTURES[name]
@@ -307,7 +298,7 @@ def make_fixture(name: str, out: Path, timeout: float = 600.0) -> dict[str, Any]
   return {
     "name": name,
     "optimizer": info["optimizer_class"],
-    "bytes": _dir_size(dest),
+    "bytes": dir_size(dest),
     "train_s": round(t_train, 1),
     "convert_s": round(t_convert, 1),
     "losses": info["losses"],
@@ -361,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
       f"losses {', '.join(f'{x:.4f}' for x in s['losses'])}",
       flush=True,
     )
-  total = _dir_size(args.out) if args.out.exists() else 0
+  total = dir_size(args.out) if args.out.exists() else 0
   print(f"total {total / 1024:.1f} KiB in {args.out} ({time.perf_counter() - t0:.0f}s)")
   return 1 if failed else 0
 

@@ -38,8 +38,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _ds_launch import ds_to_universal, install_fixture, launch_ranks
-from make_deepspeed_fixtures import _dir_size
+from _ds_launch import dir_size, ds_to_universal, init_rank, install_fixture, launch_ranks
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NAME = "megatron_tp2"
@@ -211,14 +210,9 @@ class _Mpu:
 
 
 def worker(ckpt_dir: str) -> None:
-  os.environ.setdefault("DS_ACCELERATOR", "cpu")
-  import torch
-
-  torch.set_num_threads(1)
-  import deepspeed
+  torch, deepspeed = init_rank()
   import deepspeed.comm as dist
 
-  deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
   deepspeed.init_distributed(dist_backend="gloo")
   mpu = _Mpu(dist)
   rank = mpu.tp_rank
@@ -347,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
       "files": sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file()),
     }
     (dest / "info.json").write_text(json.dumps(info, indent=1) + "\n")
-  print(f"{NAME}: {_dir_size(dest) / 1024:.1f} KiB")
+  print(f"{NAME}: {dir_size(dest) / 1024:.1f} KiB")
   return 0
 
 

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ds_launch import ds_to_universal, launch_ranks
+from _ds_launch import dir_size, ds_to_universal, init_rank, launch_ranks, token_batch
 
 SEED = 4321
 VOCAB = 17
@@ -236,11 +236,7 @@ def hf_model(model: str):
 
 
 def _batch(rank: int, step: int):
-  import torch
-
-  gen = torch.Generator().manual_seed(SEED + 1000 * step + rank)
-  tokens = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=gen)
-  return tokens[:, :-1], tokens[:, 1:]
+  return token_batch(SEED + 1000 * step + rank, VOCAB, MICRO_BATCH, SEQ)
 
 
 def _groups(model):
@@ -282,18 +278,11 @@ def _engine(spec: dict, rank: int, config: dict):
 
 
 def worker(name: str, ckpt_dir: str, out_dir: str) -> None:
-  os.environ.setdefault("DS_ACCELERATOR", "cpu")
-  import numpy as np
-  import torch
-
-  torch.set_num_threads(1)
-  torch.use_deterministic_algorithms(True, warn_only=True)
-  torch.utils.deterministic.fill_uninitialized_memory = True
-  import deepspeed
+  torch, deepspeed = init_rank(deterministic=True, fill_uninitialized=True)
   import deepspeed.comm as dist
+  import numpy as np
   from deepspeed.utils import groups as ds_groups
 
-  deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
   spec = FIXTURES[name]
   rank = int(os.environ["RANK"])
   config = ds_config(spec)
@@ -399,18 +388,13 @@ def load_worker(name: str, src: str, out_dir: str, ep: int, stage: int) -> None:
   of this world size at expert-parallel degree `ep` and ZeRO `stage`, calls
   `ucp_jax.deepspeed.finish_load`, and writes the losses at the loaded state on the source
   run's next batches (every source rank's) and this engine's gathered state (`oracle_rank*`)."""
-  os.environ.setdefault("DS_ACCELERATOR", "cpu")
-  import numpy as np
-  import torch
-
-  torch.set_num_threads(1)
-  import deepspeed
+  torch, _ = init_rank()
   import deepspeed.comm as dist
+  import numpy as np
   from deepspeed.utils import groups as ds_groups
 
   import ucp_jax.deepspeed
 
-  deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
   spec = dict(FIXTURES[name], ep=ep, stage=stage)
   rank = int(os.environ["RANK"])
   config = ds_config(spec) | {"checkpoint": {"load_universal": True}}
@@ -491,10 +475,6 @@ def _merge_oracle(tmp: Path, world: int, dest: Path) -> dict[str, list[int]]:
   return index
 
 
-def _dir_size(path: Path) -> int:
-  return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
 def make_fixture(name: str, out: Path, timeout: float = 900.0) -> dict[str, Any]:
   spec = FIXTURES[name]
   dest = out / name
@@ -527,7 +507,7 @@ def make_fixture(name: str, out: Path, timeout: float = 900.0) -> dict[str, Any]
     (dest / "info.json").write_text(json.dumps(info, indent=2) + "\n")
   return {
     "name": name,
-    "bytes": _dir_size(dest),
+    "bytes": dir_size(dest),
     "s": round(time.perf_counter() - t0, 1),
     "ds_to_universal": info["ds_to_universal"],
     "losses": info["losses"],

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -60,8 +59,15 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _ds_launch import ds_to_universal, install_fixture, launch_ranks
-from make_deepspeed_fixtures import RECOVERY_SCRIPTS, _dir_size
+from _ds_launch import (
+  dir_size,
+  ds_to_universal,
+  init_rank,
+  install_fixture,
+  launch_ranks,
+  token_batch,
+)
+from make_deepspeed_fixtures import RECOVERY_SCRIPTS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -265,11 +271,7 @@ def build_pipe_like(topology):
 
 
 def batch(seed: int, vocab: int):
-  import torch
-
-  gen = torch.Generator().manual_seed(seed)
-  tokens = torch.randint(0, vocab, (MICRO_BATCH, SEQ + 1), generator=gen)
-  return tokens[:, :-1], tokens[:, 1:]
+  return token_batch(seed, vocab, MICRO_BATCH, SEQ)
 
 
 # --------------------------------------------------------------------------------------------
@@ -277,16 +279,7 @@ def batch(seed: int, vocab: int):
 
 
 def _setup():
-  os.environ.setdefault("DS_ACCELERATOR", "cpu")
-  import torch
-
-  torch.set_num_threads(1)
-  torch.use_deterministic_algorithms(True, warn_only=True)
-  torch.utils.deterministic.fill_uninitialized_memory = True
-  import deepspeed
-
-  deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-  return torch, deepspeed
+  return init_rank(deterministic=True, fill_uninitialized=True)
 
 
 def worker_autotp(name: str, ckpt_dir: str, info_path: str) -> None:
@@ -542,7 +535,7 @@ def make_fixture(name: str, out: Path, timeout: float = 600.0) -> dict[str, Any]
     shutil.copy(info_path, dest / "info.json")
   return {
     "name": name,
-    "bytes": _dir_size(dest),
+    "bytes": dir_size(dest),
     "seconds": round(time.perf_counter() - t0, 1),
     "losses": info["losses"],
   }
@@ -592,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
       f"{', '.join(f'{x:.4f}' for x in s['losses'])}",
       flush=True,
     )
-  total = _dir_size(args.out) if args.out.exists() else 0
+  total = dir_size(args.out) if args.out.exists() else 0
   print(f"total {total / 1024:.1f} KiB in {args.out}")
   return 1 if failed else 0
 

@@ -27,7 +27,6 @@ transformers 5.24 (docs/deepspeed_on_cpu.md); AutoEP needs `make_moe_fixtures.au
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -35,10 +34,9 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _continuity as continuity
-from _continuity import MeshTrainer, arithmetic_batch
-from _ds_launch import launch_ranks
+from _continuity import DsJob, MeshTrainer, arithmetic_batch
+from _ds_launch import init_rank
 
-REPO = Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-5
 SEED = 2024
 GLOBAL_BATCH = 4
@@ -76,30 +74,12 @@ def hf_model():
   return model
 
 
-@dataclasses.dataclass
-class DsJob:
-  first: int
-  steps: int
-  out: str
-  ep: int
-  save_after: int | None = None
-  save_dir: str | None = None
-  load_dir: str | None = None
-
-
 def rank_main(job_path: str) -> None:
   """One DeepSpeed AutoEP rank: (load,) train, (save,) record the global losses."""
-  os.environ.setdefault("DS_ACCELERATOR", "cpu")
-  import torch
-
-  torch.set_num_threads(1)
-  import deepspeed
+  _, deepspeed = init_rank()
   import deepspeed.comm as dist
   from make_moe_fixtures import autoep_shim
 
-  from ucp_jax import deepspeed as ucp_deepspeed
-
-  deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
   autoep_shim()
   job = DsJob(**json.loads(Path(job_path).read_text()))
   world = int(os.environ["WORLD_SIZE"])
@@ -112,17 +92,12 @@ def rank_main(job_path: str) -> None:
     model=model, model_parameters=model.parameters(), config=config
   )
   rank = dist.get_rank()
-  if job.load_dir:
-    engine.load_checkpoint(job.load_dir)
-    ucp_deepspeed.finish_load(engine, job.load_dir)
-  losses = continuity.ds_train(
+  losses = continuity.run_job(
     engine,
+    job,
     batch,
-    job.first,
-    job.steps,
     logits=lambda engine, tokens: engine(input_ids=tokens).logits,
     save=lambda: engine.save_checkpoint(job.save_dir),
-    save_after=job.save_after,
   )
   if rank == 0:
     Path(job.out).write_text(json.dumps({"losses": losses}))
@@ -131,13 +106,7 @@ def rank_main(job_path: str) -> None:
 
 
 def launch(world: int, job: DsJob, workdir: Path) -> list[float]:
-  workdir.mkdir(parents=True, exist_ok=True)
-  (workdir / "job.json").write_text(json.dumps(dataclasses.asdict(job)))
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-  env.pop("XLA_FLAGS", None)
-  cmd = [sys.executable, __file__, "--rank-job", str(workdir / "job.json")]
-  launch_ranks(world, cmd, workdir, what="DeepSpeed AutoEP", env=env)
-  return json.loads(Path(job.out).read_text())["losses"]
+  return continuity.launch(__file__, world, job, workdir, what="DeepSpeed AutoEP")
 
 
 class JaxTrainer(MeshTrainer):

@@ -26,7 +26,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 import make_deepspeed_fixtures as mk  # noqa: E402
-from _ds_launch import launch_ranks  # noqa: E402
+from _ds_launch import init_rank, launch_ranks  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -223,16 +223,9 @@ def run_job(job: Job, rank: int, world: int) -> dict[str, Any]:
 
 
 def worker(jobs_path: str, out: str) -> None:
-  os.environ.setdefault("DS_ACCELERATOR", "cpu")
-  import torch
-
-  torch.set_num_threads(1)
-  torch.use_deterministic_algorithms(True, warn_only=True)
-  torch.utils.deterministic.fill_uninitialized_memory = True
-  import deepspeed
+  torch, deepspeed = init_rank(deterministic=True, fill_uninitialized=True)
   import deepspeed.comm as dist
 
-  deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
   deepspeed.init_distributed(dist_backend="gloo")
   rank, world = dist.get_rank(), dist.get_world_size()
   for spec in json.loads(Path(jobs_path).read_text()):

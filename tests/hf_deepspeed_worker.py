@@ -24,7 +24,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
-from _ds_launch import launch_ranks  # noqa: E402
+from _ds_launch import init_rank, launch_ranks  # noqa: E402
 from cross_framework_demo import GLOBAL_BATCH, HYPER, SEED, batch, ds_config  # noqa: E402
 
 VOCAB, SEQ = 64, 16  # `batch`'s defaults: [GLOBAL_BATCH, SEQ + 1] tokens below VOCAB
@@ -176,18 +176,11 @@ def _train(name: str, leg: Leg, rank: int, world: int) -> None:
 
 
 def rank_main(leg_path: str) -> None:
-  os.environ.setdefault("DS_ACCELERATOR", "cpu")
-  import torch
-
-  torch.set_num_threads(1)
-  torch.use_deterministic_algorithms(True, warn_only=True)
-  # Deterministic mode also fills every torch.empty with NaN; DeepSpeed's ZeRO-2 buckets
-  # (5e8 elements) are allocated each step: ~2 s a step on 2 cores. Nothing here reads them.
-  torch.utils.deterministic.fill_uninitialized_memory = False
-  import deepspeed
+  # No NaN fill of uninitialized memory: DeepSpeed's ZeRO-2 buckets (5e8 elements) are
+  # allocated each step, ~2 s a step on 2 cores. Nothing here reads them.
+  torch, deepspeed = init_rank(deterministic=True)
   import deepspeed.comm as dist
 
-  deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no 60-80 s op build
   deepspeed.init_distributed(dist_backend="gloo")
   leg = Leg(**json.loads(Path(leg_path).read_text()))
   Path(leg.out).mkdir(parents=True, exist_ok=True)

@@ -16,9 +16,11 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import hf_tiny
 import jax
 import numpy as np
 import pytest
+from _continuity import next_token_step
 from jax.sharding import AxisType
 
 import ucp_jax
@@ -27,17 +29,7 @@ from ucp_jax import models, rules
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-SIZES = dict(
-  vocab_size=96,
-  hidden_size=32,
-  intermediate_size=64,
-  num_hidden_layers=3,
-  num_attention_heads=4,
-  num_key_value_heads=2,
-  bos_token_id=0,
-  eos_token_id=0,
-  pad_token_id=0,
-)
+SIZES = dict(hf_tiny.SIZES, num_hidden_layers=3, pad_token_id=0)
 NEOX = dict(SIZES, num_hidden_layers=2)
 del NEOX["num_key_value_heads"]
 LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.5], "long_factor": [2.0, 3.0]}
@@ -179,14 +171,7 @@ def hf_model(config: dict, folder):
   (folder / "config.json").write_text(json.dumps(config))
   hf_config = transformers.AutoConfig.from_pretrained(folder)
   torch.manual_seed(0)
-  model = transformers.AutoModelForCausalLM.from_config(hf_config)
-  with torch.no_grad():
-    for p in model.parameters():
-      if p.dim() == 1:
-        p.add_(0.1 * torch.randn_like(p))
-      else:
-        p.mul_(5.0)
-  return model.eval()
+  return hf_tiny.off_init(transformers.AutoModelForCausalLM.from_config(hf_config))
 
 
 def _meshes():
@@ -277,17 +262,7 @@ def test_a_sharded_optax_step_exports_to_a_folder_from_pretrained_loads(devices,
   before = np.asarray(model.embed.embedding[...]).copy()
   opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
   tokens = jax.device_put(jnp.asarray(TOKENS), NamedSharding(mesh, P("data")))
-
-  @nnx.jit
-  def step(model, opt, tokens):
-    def loss(m):
-      logits = m(tokens[:, :-1])
-      return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-    grads = nnx.grad(loss)(model)
-    opt.update(model, grads)
-
-  step(model, opt, tokens)
+  next_token_step()(model, opt, tokens)
   assert not np.array_equal(np.asarray(model.embed.embedding[...]), before)
   want = np.asarray(model(TOKENS))
   ucp_jax.save_train_state(tmp_path / "jax", model, opt)

@@ -43,10 +43,10 @@ def _jax_trainer(cfg, decay_keys: set[str]):
   import jax
   import numpy as np
   import optax
+  from _continuity import MeshTrainer
   from flax import nnx
-  from hf_deepspeed_worker import HYPER
-  from jax.sharding import AxisType, NamedSharding
-  from jax.sharding import PartitionSpec as P
+  from hf_deepspeed_worker import HYPER, batch
+  from jax.sharding import AxisType
 
   from ucp_jax import models
 
@@ -67,29 +67,8 @@ def _jax_trainer(cfg, decay_keys: set[str]):
       lambda path, _: "decay" if "/".join(map(str, path)) in decay_keys else "no_decay", params
     ),
   )
-  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-  replicated = NamedSharding(mesh, P())
-  on_mesh = lambda x: x if len(x.devices()) > 1 else jax.device_put(x, replicated)  # noqa: E731
-  nnx.update(optimizer, jax.tree.map(on_mesh, nnx.state(optimizer)))  # step counts
-  data = NamedSharding(mesh, P("data"))
-
-  @nnx.jit
-  def step(model, optimizer, tokens):
-    def loss_fn(m):
-      logits = m(tokens[:, :-1])
-      return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
-    optimizer.update(model, grads)
-    return loss
-
-  def train(first: int, steps: int) -> list[float]:
-    from hf_deepspeed_worker import batch
-
-    tokens = [jax.device_put(batch(first + i).astype(np.int32), data) for i in range(steps)]
-    return [float(step(model, optimizer, t)) for t in tokens]
-
-  return model, optimizer, train
+  trainer = MeshTrainer(model, mesh, HYPER, batch, tx=tx)  # `batch`'s rows over "data"
+  return model, trainer.optimizer, trainer.train
 
 
 def _worst(ours: list[float], ref: list[float]) -> float:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hf_tiny import SIZES, off_init
 from jax.sharding import AxisType, NamedSharding
 
 import ucp_jax
@@ -32,16 +33,6 @@ from ucp_jax.models import llama
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-SIZES = dict(
-  vocab_size=96,
-  hidden_size=32,
-  intermediate_size=64,
-  num_hidden_layers=2,
-  num_attention_heads=4,
-  num_key_value_heads=2,
-  bos_token_id=0,
-  eos_token_id=0,
-)
 LLAMA3_ROPE = {
   "rope_type": "llama3",
   "rope_theta": 500000.0,
@@ -75,14 +66,7 @@ def _hf_model(name: str):
   """A tiny random model, its weights larger and its norms and biases off their init."""
   model_class, config_class, kwargs = CASES[name]
   torch.manual_seed(0)
-  model = getattr(transformers, model_class)(getattr(transformers, config_class)(**kwargs))
-  with torch.no_grad():
-    for p in model.parameters():
-      if p.dim() == 1:
-        p.add_(0.1 * torch.randn_like(p))
-      else:
-        p.mul_(5.0)
-  return model.eval()
+  return off_init(getattr(transformers, model_class)(getattr(transformers, config_class)(**kwargs)))
 
 
 def _state_dict(model) -> dict[str, np.ndarray]:

@@ -44,6 +44,13 @@ def _state(step: int) -> dict:
   return {"frozen": FROZEN, "adapter": jnp.full((8,), float(step))}
 
 
+def _chain(root: str, last: int) -> None:
+  """Steps 1 to `last` saved under `root`, each but the first on the one before."""
+  ucp_jax.save(f"{root}/1", _state(1))
+  for step in range(2, last + 1):
+    ucp_jax.save(f"{root}/{step}", _state(step), base=f"{root}/{step - 1}")
+
+
 def _holds(url: str, step: int) -> None:
   assert ucp_jax.open(url).verify() == {}
   out = ucp_jax.restore(url)
@@ -54,9 +61,7 @@ def _holds(url: str, step: int) -> None:
 
 def test_steps_reference_the_pool_and_each_restores_alone():
   root = _root()
-  ucp_jax.save(f"{root}/1", _state(1))  # not in a pool: the next save writes all into one
-  for step in (2, 3, 4):
-    ucp_jax.save(f"{root}/{step}", _state(step), base=f"{root}/{step - 1}")
+  _chain(root, 4)  # 1 is not in a pool: the next save writes all into one
   m2, m4 = (ucp_jax.open(f"{root}/{s}").manifest for s in (2, 4))
   assert m4.format_version == 4 and m4.pool == "../.ucp-pool/" and not m4.data
   assert {m4.arrays[f"frozen/{k}"].at for k in FROZEN} == {f"g{m2.token}/"}
@@ -81,9 +86,7 @@ def test_steps_reference_the_pool_and_each_restores_alone():
 
 def test_any_step_alone_after_the_others_are_deleted_and_collected():
   root = _root()
-  ucp_jax.save(f"{root}/1", _state(1))
-  for step in (2, 3, 4):
-    ucp_jax.save(f"{root}/{step}", _state(step), base=f"{root}/{step - 1}")
+  _chain(root, 4)
   for step in (1, 2, 4):  # the newest too
     _delete(root, step)
   ucp_jax.save(f"{root}/5", _state(5), base=f"{root}/3")  # collects what 2 and 4 alone held
@@ -249,9 +252,7 @@ def test_hostile_references_only_ever_keep_data():
 
 def test_a_pool_generation_changed_underneath_is_detected():
   root = _root()
-  ucp_jax.save(f"{root}/1", _state(1))
-  ucp_jax.save(f"{root}/2", _state(2), base=f"{root}/1")
-  ucp_jax.save(f"{root}/3", _state(3), base=f"{root}/2")
+  _chain(root, 3)
   at = ucp_jax.open(f"{root}/3").manifest.arrays["frozen/w1"].at
   store = _store(f"{root}/.ucp-pool")
   chunk = next(
@@ -297,8 +298,7 @@ def _set_at(value):
 )
 def test_a_manifest_cannot_point_reads_outside_its_pool(edit, pattern):
   root = _root() + "/a/b"
-  ucp_jax.save(f"{root}/1", _state(1))
-  ucp_jax.save(f"{root}/2", _state(2), base=f"{root}/1")
+  _chain(root, 2)
   _edited(f"{root}/2", edit)
   with pytest.raises(ucp_jax.ManifestError, match=pattern):
     ucp_jax.open(f"{root}/2")
@@ -306,9 +306,7 @@ def test_a_manifest_cannot_point_reads_outside_its_pool(edit, pattern):
 
 def test_a_reference_to_another_generation_is_caught_by_place():
   root = _root()
-  ucp_jax.save(f"{root}/1", _state(1))
-  ucp_jax.save(f"{root}/2", _state(2), base=f"{root}/1")
-  ucp_jax.save(f"{root}/3", _state(3), base=f"{root}/2")
+  _chain(root, 3)
   older = ucp_jax.open(f"{root}/2").manifest.arrays["adapter"].at
   _edited(f"{root}/3", _set_at(older))  # step 2's adapter, a valid array of the same shape
   with pytest.raises(ucp_jax.CorruptCheckpointError, match="does not belong here"):

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _continuity import next_token_step
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -152,17 +153,7 @@ def test_a_sharded_model_trains_on_an_explicit_mesh(devices):
   model = models.build(CONFIGS["olmo2-like"], rngs=nnx.Rngs(0), mesh=mesh)
   opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
   tokens = jax.device_put(jnp.asarray(TOKENS), NamedSharding(mesh, P("data")))
-
-  @nnx.jit
-  def step(model, opt, tokens):
-    def loss(m):
-      logits = m(tokens[:, :-1])
-      return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-    value, grads = nnx.value_and_grad(loss)(model)
-    opt.update(model, grads)
-    return value
-
+  step = next_token_step()
   first, second = float(step(model, opt, tokens)), float(step(model, opt, tokens))
   assert second < first
   assert model.layers[0].mlp.up.kernel[...].sharding.spec == P("data", "model")

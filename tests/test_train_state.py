@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _continuity import next_token_step
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -214,17 +215,7 @@ def test_flax_train_state_exports_to_deepspeed_names_and_layouts(tmp_path):
   rules = ucp_jax.rules.gpt2(num_heads=4)
   model = gpt.FlaxGPT(cfg, rngs=nnx.Rngs(0))
   opt = nnx.Optimizer(model, optax.adamw(1e-3, b2=0.99, weight_decay=0.1), wrt=nnx.Param)
-
-  @nnx.jit
-  def step(model, opt, tokens):
-    def loss(m):
-      logits = m(tokens[:, :-1])
-      return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-    _, grads = nnx.value_and_grad(loss)(model)
-    opt.update(model, grads)
-
-  step(model, opt, jax.random.randint(jax.random.key(0), (2, 8), 0, 32))
+  next_token_step()(model, opt, jax.random.randint(jax.random.key(0), (2, 8), 0, 32))
   hyper = {"lr": 1e-3, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.1}
   ucp_jax.save_train_state(tmp_path / "jax", model, opt, hyperparams=hyper)
   with pytest.raises(ucp_jax.MappingError, match="rules="):

@@ -147,6 +147,19 @@ def on_auto_axes(forward, module, tokens: jax.Array, probe: jax.Array) -> jax.Ar
     return jax.sharding.auto_axes(forward, axes=explicit, out_sharding=out)(module, tokens)
 
 
+SHARED_AXES = {
+  "embed/embedding": ("vocab", "embed"),
+  "attn/o/kernel": ("heads", "head_dim", "embed"),
+  "mlp/up/kernel": ("embed", "mlp"),
+  "mlp/up/bias": ("mlp",),
+  "mlp/down/kernel": ("mlp", "embed"),
+  "lm_head/kernel": ("embed", "vocab"),
+}
+"""The logical axes (`ucp_jax.models._sharding`) of the parameters the NeoX and Llama families
+name alike: the token embedding, the attention's output, the MLP's up and down projections and
+the untied output layer. Each family's `LOGICAL_AXES` adds its own."""
+
+
 def tp_target(
   state, mesh: jax.sharding.Mesh, table: dict[str, tuple], axis: str, layers: str = "layers"
 ):

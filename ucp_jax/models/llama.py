@@ -24,6 +24,7 @@ from ucp_jax.models import _rope
 from ucp_jax.models._common import (
   ACTIVATIONS,
   NO_WINDOW,
+  SHARED_AXES,
   HeadsRMSNorm,
   Projection,
   causal_attention,
@@ -268,22 +269,17 @@ class FlaxLlama(nnx.Module):
 
 
 LOGICAL_AXES = {
-  "embed/embedding": ("vocab", "embed"),
+  **SHARED_AXES,
   "attn/q/kernel": ("embed", "heads", "head_dim"),
   "attn/k/kernel": ("embed", "kv_heads", "head_dim"),
   "attn/v/kernel": ("embed", "kv_heads", "head_dim"),
-  "attn/o/kernel": ("heads", "head_dim", "embed"),
   "attn/q/bias": ("heads", "head_dim"),
   "attn/k/bias": ("kv_heads", "head_dim"),
   "attn/v/bias": ("kv_heads", "head_dim"),
   "attn/q_norm/scale": ("heads", "head_dim"),  # per projection (OLMo 2); per head: head_dim
   "attn/k_norm/scale": ("kv_heads", "head_dim"),
   "mlp/gate/kernel": ("embed", "mlp"),
-  "mlp/up/kernel": ("embed", "mlp"),
-  "mlp/down/kernel": ("mlp", "embed"),
   "mlp/gate/bias": ("mlp",),
-  "mlp/up/bias": ("mlp",),
-  "lm_head/kernel": ("embed", "vocab"),
 }
 """The logical axes of `FlaxLlama`'s parameters (`ucp_jax.models._sharding`); the rest
 (norms, output biases) are replicated."""

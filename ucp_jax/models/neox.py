@@ -19,6 +19,7 @@ from flax import nnx
 from ucp_jax.models import _rope
 from ucp_jax.models._common import (
   ACTIVATIONS,
+  SHARED_AXES,
   Projection,
   causal_attention,
   check_activation,
@@ -146,14 +147,9 @@ class FlaxNeoX(nnx.Module):
 
 
 LOGICAL_AXES = {
-  "embed/embedding": ("vocab", "embed"),
+  **SHARED_AXES,
   "attn/qkv/kernel": ("embed", "heads", None, "head_dim"),
   "attn/qkv/bias": ("heads", None, "head_dim"),
-  "attn/o/kernel": ("heads", "head_dim", "embed"),
-  "mlp/up/kernel": ("embed", "mlp"),
-  "mlp/up/bias": ("mlp",),
-  "mlp/down/kernel": ("mlp", "embed"),
-  "lm_head/kernel": ("embed", "vocab"),
 }
 """The logical axes of `FlaxNeoX`'s parameters (`ucp_jax.models._sharding`)."""
 FlaxNeoX.logical_axes = LOGICAL_AXES
