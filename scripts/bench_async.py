@@ -27,6 +27,7 @@ import argparse
 import math
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -40,12 +41,6 @@ import _bench_util as bu  # noqa: E402
 
 CONTENDERS = ("ucp", "orbax")
 PHASES = ("stall", "step", "flush", "total", "blocking_save")
-
-
-def _median(values):
-  ordered = sorted(values)
-  mid = len(ordered) // 2
-  return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def worker(args) -> int:
@@ -190,7 +185,7 @@ def main(argv=None) -> int:
           [
             name,
             phase,
-            f"{_median(tries):.3f}",
+            f"{statistics.median(tries):.3f}",
             f"{min(tries):.3f}-{max(tries):.3f} ({len(tries)})",
           ]
         )
@@ -202,9 +197,11 @@ def main(argv=None) -> int:
   summary = {"results": results}
   ucp, orbax = results["ucp"], results["orbax"]
   if ucp["stall"] and orbax["stall"] and ucp["blocking_save"]:
-    summary["stall_vs_orbax"] = _median(ucp["stall"]) / _median(orbax["stall"])
-    summary["stall_share_of_blocking_save"] = _median(ucp["stall"]) / _median(ucp["blocking_save"])
-    summary["total_vs_orbax"] = _median(ucp["total"]) / _median(orbax["total"])
+    summary["stall_vs_orbax"] = statistics.median(ucp["stall"]) / statistics.median(orbax["stall"])
+    summary["stall_share_of_blocking_save"] = statistics.median(ucp["stall"]) / statistics.median(
+      ucp["blocking_save"]
+    )
+    summary["total_vs_orbax"] = statistics.median(ucp["total"]) / statistics.median(orbax["total"])
     print(
       f"ucp stall / orbax stall: {summary['stall_vs_orbax']:.2f}; ucp stall / blocking durable "
       f"save: {summary['stall_share_of_blocking_save']:.1%}; ucp total / orbax total: "

@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import zlib
@@ -258,12 +259,6 @@ def worker(args) -> int:
   return 0
 
 
-def _median(values):
-  ordered = sorted(values)
-  mid = len(ordered) // 2
-  return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -314,9 +309,9 @@ def main(argv=None) -> int:
     for name in CONTENDERS:
       r = results[name]
       tries = r["tries"]
-      med = _median(tries) if tries else None
+      med = statistics.median(tries) if tries else None
       same = r["crcs"] == reference and reference is not None
-      peak = _median(r["peaks"]) if r["peaks"] else None
+      peak = statistics.median(r["peaks"]) if r["peaks"] else None
       rows.append(
         [
           name,

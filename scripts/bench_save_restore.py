@@ -71,6 +71,7 @@ import argparse
 import math
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import zlib
@@ -548,13 +549,7 @@ def worker_main(args) -> int:
 
 def _sec(results, who, phase):
   p = results.get(who, {}).get("phases", {}).get(phase)
-  return None if p is None else _median(p["tries"])
-
-
-def _median(values):
-  ordered = sorted(values)
-  mid = len(ordered) // 2
-  return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+  return None if p is None else statistics.median(p["tries"])
 
 
 def _ratio(a, b):
@@ -652,7 +647,7 @@ def report(results: dict, args) -> dict:
       if p is None:
         continue
       ver = {True: "ok", False: "FAILED", None: "-"}[p.get("verified")]
-      median = _median(p["tries"])
+      median = statistics.median(p["tries"])
       rows.append(
         [
           PHASE_LABEL[phase],

@@ -44,6 +44,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import zlib
@@ -250,12 +251,6 @@ def _convert_worker(args, dcp_dir: str, out: dict) -> int:
   return 0
 
 
-def _median(values):
-  ordered = sorted(values)
-  mid = len(ordered) // 2
-  return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -305,7 +300,7 @@ def main(argv=None) -> int:
   nbytes = info["bytes"]
   rows = []
   for name, r in results.items():
-    med = _median(r["tries"]) if r["tries"] else None
+    med = statistics.median(r["tries"]) if r["tries"] else None
     spread = (
       f"{min(r['tries']):.3f}-{max(r['tries']):.3f} ({len(r['tries'])})" if r["tries"] else "-"
     )
@@ -339,7 +334,7 @@ def main(argv=None) -> int:
   ):
     ours, other = results.get(mine, {}).get("tries"), results.get(peer, {}).get("tries")
     if ours and other:
-      ratio = _median(other) / _median(ours)
+      ratio = statistics.median(other) / statistics.median(ours)
       memory = results[mine]["peak_delta"] / max(1, results[peer]["peak_delta"])
       summary["ratios"][f"{mine}/{peer}"] = {"speedup": ratio, "peak_ratio": memory}
       print(f"{mine} vs {peer}: {ratio:.2f}x faster (median), peak RSS {memory:.2f}x of theirs")
