@@ -106,6 +106,18 @@ def test_an_entry_point_may_not_take_a_built_in_name(tmp_path, arrays):
   assert "is taken (by ucp_jax.sources.hf._source)" in proc.stderr
 
 
+def test_a_plugin_that_fails_to_import_is_one_line_naming_it(tmp_path, arrays):
+  site = tmp_path / "site"
+  _install(site, "[ucp_jax.sources]\nbroken = broken_format:source\n", name="broken_plugin")
+  (site / "broken_format.py").write_text("raise RuntimeError('its own bug')\n")
+  proc = _ucp(site, "inspect", str(arrays[0]), check=False)
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+  assert "source 'broken' (ucp_jax.sources = broken = broken_format:source of broken_plugin)" in (
+    proc.stderr
+  )
+  assert "fails to load: RuntimeError: its own bug" in proc.stderr
+
+
 def _registry() -> _plugins.Registry:
   return _plugins.Registry("source", "ucp_jax.no_such_group", {}, ("NAME", "sniff"))
 

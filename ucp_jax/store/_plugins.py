@@ -78,7 +78,12 @@ class Registry(Mapping[str, Any]):
       if isinstance(where, str):
         plugin = importlib.import_module(where)
       elif isinstance(where, importlib.metadata.EntryPoint):
-        plugin = where.load()
+        try:
+          plugin = where.load()
+        except Exception as e:  # another package's code: one line naming it, not its traceback
+          raise _errors.InvalidArgumentError(
+            f"{self.kind} {name!r} ({_origin(where)}) fails to load: {type(e).__name__}: {e}"
+          ) from e
       else:
         plugin = where
       self._check(plugin, f"{self.kind} {name!r} ({_origin(where)})")
