@@ -9,16 +9,18 @@ Peak RSS per phase uses Linux's `/proc/self/clear_refs` ("5" resets the peak, `V
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gc
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 MiB = 1 << 20
@@ -167,6 +169,59 @@ def run_worker(
       os.remove(result_file)
   result["worker_seconds"] = time.perf_counter() - t0
   return result
+
+
+def worker_parser(doc: str | None) -> argparse.ArgumentParser:
+  """A benchmark's parser: `doc` as its description, and the hidden `--worker NAME
+  --result-file FILE` with which the script runs itself as one contender (`run_worker`)."""
+  ap = argparse.ArgumentParser(
+    description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
+  ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+  ap.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
+  return ap
+
+
+def add_round_args(ap: argparse.ArgumentParser, *, repeat: int, rounds: int) -> None:
+  """Adds what every benchmark of interleaved worker rounds takes: `--repeat` (timed tries
+  per worker), `--rounds` (`worker_rounds`), `--dir` (`work_dir`) and `--json` (the summary)."""
+  ap.add_argument("--repeat", type=int, default=repeat)
+  ap.add_argument("--rounds", type=int, default=rounds)
+  ap.add_argument("--dir", default=None, help="working folder (a temp dir under /tmp)")
+  ap.add_argument("--json", default=None)
+
+
+@contextlib.contextmanager
+def work_dir(args: argparse.Namespace, prefix: str) -> Iterator[str]:
+  """`args.dir`; where none is given, a new folder under /tmp named with `prefix`, set as
+  `args.dir` and removed afterwards."""
+  made = args.dir is None
+  args.dir = args.dir or tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+  try:
+    yield args.dir
+  finally:
+    if made:
+      shutil.rmtree(args.dir, ignore_errors=True)
+
+
+def worker_rounds(
+  script: str,
+  names: Sequence[str],
+  argv: Sequence[str],
+  rounds: int,
+  *,
+  env: dict | None = None,
+  rotate: bool = False,
+) -> Iterator[tuple[str, dict]]:
+  """Runs every contender `rounds` times as a worker of `script` (`run_worker`), the rounds
+  interleaved so that the page cache's drift over the run favours nobody; with `rotate`,
+  each round starts one contender later. Yields (name, what its worker returned)."""
+  names = list(names)
+  for rnd in range(rounds):
+    order = names[rnd % len(names) :] + names[: rnd % len(names)] if rotate else names
+    for name in order:
+      print(f"running {name} (round {rnd + 1} of {rounds}) ...", flush=True)
+      yield name, run_worker(script, name, argv, env=env)
 
 
 def write_result(path: str, result: dict) -> None:

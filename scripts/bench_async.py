@@ -23,13 +23,11 @@ Usage:
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 
 _FLAG = "--xla_force_host_platform_device_count=8"
@@ -134,23 +132,8 @@ def worker(args) -> int:
   return 0
 
 
-def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(
-    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-  )
-  ap.add_argument("--size-mb", type=float, default=512)
-  ap.add_argument("--arrays", type=int, default=8)
-  ap.add_argument("--repeat", type=int, default=5)
-  ap.add_argument("--rounds", type=int, default=1)
-  ap.add_argument("--dir", default=None)
-  ap.add_argument("--json", default=None)
-  ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-  ap.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
-  args = ap.parse_args(argv)
-  if args.worker:
-    return worker(args)
-  made = args.dir is None
-  args.dir = args.dir or tempfile.mkdtemp(prefix="ucp_bench_async_", dir="/tmp")
+def _run_rounds(args) -> dict:
+  """Every contender's phases (seconds of each try) and errors, over `args.rounds` workers each."""
   common = [
     "--size-mb",
     str(args.size_mb),
@@ -162,20 +145,26 @@ def main(argv=None) -> int:
     args.dir,
   ]
   results = {name: {p: [] for p in PHASES} | {"errors": []} for name in CONTENDERS}
-  try:
-    for rnd in range(args.rounds):
-      for name in CONTENDERS:
-        print(f"running {name} (round {rnd + 1} of {args.rounds}) ...", flush=True)
-        run = bu.run_worker(os.path.abspath(__file__), name, common, env=dict(os.environ))
-        if "error" in run:
-          results[name]["errors"].append(run["error"])
-          continue
-        for phase in PHASES:
-          results[name][phase] += run["phases"][phase]
-        results[name]["errors"] += run["errors"]
-  finally:
-    if made:
-      shutil.rmtree(args.dir, ignore_errors=True)
+  for name, run in bu.worker_rounds(os.path.abspath(__file__), CONTENDERS, common, args.rounds):
+    if "error" in run:
+      results[name]["errors"].append(run["error"])
+      continue
+    for phase in PHASES:
+      results[name][phase] += run["phases"][phase]
+    results[name]["errors"] += run["errors"]
+  return results
+
+
+def main(argv=None) -> int:
+  ap = bu.worker_parser(__doc__)
+  ap.add_argument("--size-mb", type=float, default=512)
+  ap.add_argument("--arrays", type=int, default=8)
+  bu.add_round_args(ap, repeat=5, rounds=1)
+  args = ap.parse_args(argv)
+  if args.worker:
+    return worker(args)
+  with bu.work_dir(args, "ucp_bench_async_"):
+    results = _run_rounds(args)
   rows = []
   for name in CONTENDERS:
     for phase in PHASES:

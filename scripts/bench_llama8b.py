@@ -29,13 +29,10 @@ RSS above the process's RSS before the try (VmHWM). Every contender's arrays are
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import zlib
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -260,29 +257,20 @@ def worker(args) -> int:
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(
-    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-  )
+  ap = bu.worker_parser(__doc__)
   ap.add_argument("--layers", type=int, default=4)
   ap.add_argument("--shard-mb", type=float, default=1024)
-  ap.add_argument("--repeat", type=int, default=1)
-  ap.add_argument("--rounds", type=int, default=3)
-  ap.add_argument("--dir", default=None, help="working folder (a temp dir under /tmp)")
-  ap.add_argument("--json", default=None)
+  bu.add_round_args(ap, repeat=1, rounds=3)
   ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-  ap.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args.worker:
     return worker(args)
-  made = args.dir is None
-  args.dir = args.dir or tempfile.mkdtemp(prefix="ucp_bench_llama8b_", dir="/tmp")
   env = dict(os.environ)
   env["XLA_FLAGS"] = (
     env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
   ).strip()
   env.setdefault("JAX_PLATFORMS", "cpu")
-  try:
+  with bu.work_dir(args, "ucp_bench_llama8b_"):
     info = write_folder(os.path.join(args.dir, "hf"), args.layers, args.shard_mb, args.seed)
     print(
       f"Llama-3-8B-shaped folder, {args.layers} layers: {info['tensors']} bf16 tensors, "
@@ -291,19 +279,18 @@ def main(argv=None) -> int:
     )
     common = ["--dir", args.dir, "--repeat", str(args.repeat)]
     results: dict[str, dict] = {}
-    for rnd in range(args.rounds):
-      order = CONTENDERS[rnd % len(CONTENDERS) :] + CONTENDERS[: rnd % len(CONTENDERS)]
-      for name in order:
-        print(f"running {name} (round {rnd + 1} of {args.rounds}) ...", flush=True)
-        run = bu.run_worker(os.path.abspath(__file__), name, common, env=env)
-        kept = results.setdefault(name, {"tries": [], "peaks": [], "errors": [], "crcs": None})
-        if "error" in run:
-          kept["errors"].append(run["error"])
-          continue
-        stats = run["phases"]["restore"]
-        kept["tries"] += stats["tries"]
-        kept["peaks"].append(stats["peak_delta"])
-        kept["crcs"] = kept["crcs"] or run["crcs"]
+    script = os.path.abspath(__file__)
+    for name, run in bu.worker_rounds(
+      script, CONTENDERS, common, args.rounds, env=env, rotate=True
+    ):
+      kept = results.setdefault(name, {"tries": [], "peaks": [], "errors": [], "crcs": None})
+      if "error" in run:
+        kept["errors"].append(run["error"])
+        continue
+      stats = run["phases"]["restore"]
+      kept["tries"] += stats["tries"]
+      kept["peaks"].append(stats["peak_delta"])
+      kept["crcs"] = kept["crcs"] or run["crcs"]
     reference = results["ucp"]["crcs"]
     rows, summary = [], {"info": info, "results": {}}
     for name in CONTENDERS:
@@ -339,9 +326,6 @@ def main(argv=None) -> int:
     if args.json:
       with open(args.json, "w") as f:
         json.dump(summary, f, indent=1)
-  finally:
-    if made:
-      shutil.rmtree(args.dir, ignore_errors=True)
   return 0
 
 

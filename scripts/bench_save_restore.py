@@ -67,13 +67,11 @@ Usage:
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import shutil
 import statistics
 import sys
-import tempfile
 import zlib
 
 _FLAG = "--xla_force_host_platform_device_count=8"
@@ -736,9 +734,7 @@ def report(results: dict, args) -> dict:
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(
-    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-  )
+  ap = bu.worker_parser(__doc__)
   ap.add_argument("--size-mb", type=float, default=1024, help="total state size in MiB (1024)")
   ap.add_argument("--arrays", type=int, default=16, help="number of arrays (16)")
   ap.add_argument("--repeat", type=int, default=1, help="timed tries per phase, best kept (1)")
@@ -765,8 +761,6 @@ def main(argv=None) -> int:
     default=4,
     help="untimed reshard calls between the first and the repeated ones (4)",
   )
-  ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-  ap.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args.arrays < 1 or args.size_mb <= 0:
     ap.error("--arrays and --size-mb must be positive")
@@ -778,10 +772,17 @@ def main(argv=None) -> int:
   unknown = set(names) - set(CONTENDERS)
   if unknown:
     ap.error(f"unknown contenders: {sorted(unknown)}")
-  made_dir = args.dir is None
-  if made_dir:
-    args.dir = tempfile.mkdtemp(prefix="ucp_bench_", dir="/tmp")
-  os.makedirs(args.dir, exist_ok=True)
+  with bu.work_dir(args, "ucp_bench_"):
+    os.makedirs(args.dir, exist_ok=True)
+    results = _run_rounds(args, names)
+  summary = report(results, args)
+  if args.json:
+    bu.write_result(args.json, summary)
+  return 1 if summary["errors"] else 0
+
+
+def _run_rounds(args, names) -> dict:
+  """Each contender's results (`_merge_rounds`) over `args.rounds` workers each."""
   common = [
     "--size-mb", str(args.size_mb), "--arrays", str(args.arrays), "--repeat", str(args.repeat),
     "--dir", args.dir, "--seed", str(args.seed), "--settle", str(args.settle),
@@ -791,21 +792,9 @@ def main(argv=None) -> int:
   if not args.durable:
     common.append("--no-durable")
   results = {}
-  try:
-    # Rounds interleave the contenders, so that the page cache's drift over the run (this
-    # machine's writeback varies several-fold) does not favour whoever runs at a calm moment.
-    for rnd in range(args.rounds):
-      for name in names:
-        print(f"running {name} (round {rnd + 1} of {args.rounds}) ...", flush=True)
-        run = bu.run_worker(os.path.abspath(__file__), name, common, env=dict(os.environ))
-        results[name] = _merge_rounds(results.get(name), run)
-  finally:
-    if made_dir:
-      shutil.rmtree(args.dir, ignore_errors=True)
-  summary = report(results, args)
-  if args.json:
-    bu.write_result(args.json, summary)
-  return 1 if summary["errors"] else 0
+  for name, run in bu.worker_rounds(os.path.abspath(__file__), names, common, args.rounds):
+    results[name] = _merge_rounds(results.get(name), run)
+  return results
 
 
 if __name__ == "__main__":

@@ -39,14 +39,12 @@ Usage:
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import shutil
 import statistics
 import sys
-import tempfile
 import zlib
 
 _FLAG = "--xla_force_host_platform_device_count=8"
@@ -252,26 +250,17 @@ def _convert_worker(args, dcp_dir: str, out: dict) -> int:
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(
-    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-  )
+  ap = bu.worker_parser(__doc__)
   ap.add_argument("--size-mb", type=float, default=1024)
   ap.add_argument("--arrays", type=int, default=16)
   ap.add_argument("--shard-mb", type=float, default=256)
-  ap.add_argument("--repeat", type=int, default=2)
-  ap.add_argument("--rounds", type=int, default=2)
-  ap.add_argument("--dir", default=None, help="working folder (a temp dir under /tmp)")
-  ap.add_argument("--json", default=None)
+  bu.add_round_args(ap, repeat=2, rounds=2)
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--no-dcp", dest="dcp", action="store_false", help="skip the DCP contenders")
-  ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-  ap.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args.worker:
     return worker(args)
-  made = args.dir is None
-  args.dir = args.dir or tempfile.mkdtemp(prefix="ucp_bench_sources_", dir="/tmp")
-  try:
+  with bu.work_dir(args, "ucp_bench_sources_"):
     info = write_folder(
       os.path.join(args.dir, "hf"), args.size_mb, args.arrays, args.shard_mb, args.seed
     )
@@ -282,21 +271,15 @@ def main(argv=None) -> int:
     common = ["--dir", args.dir, "--repeat", str(args.repeat)]
     results: dict[str, dict] = {}
     names = CONTENDERS + (DCP_CONTENDERS if args.dcp else ())
-    for rnd in range(args.rounds):
-      for name in names:
-        print(f"running {name} (round {rnd + 1} of {args.rounds}) ...", flush=True)
-        run = bu.run_worker(os.path.abspath(__file__), name, common, env=dict(os.environ))
-        kept = results.setdefault(name, {"tries": [], "peak_delta": 0, "errors": []})
-        if "error" in run:
-          kept["errors"].append(run["error"])
-          continue
-        stats = run["phases"]["restore"]
-        kept["tries"] += stats["tries"]
-        kept["peak_delta"] = max(kept["peak_delta"], stats["peak_delta"])
-        kept["errors"] += run["errors"]
-  finally:
-    if made:
-      shutil.rmtree(args.dir, ignore_errors=True)
+    for name, run in bu.worker_rounds(os.path.abspath(__file__), names, common, args.rounds):
+      kept = results.setdefault(name, {"tries": [], "peak_delta": 0, "errors": []})
+      if "error" in run:
+        kept["errors"].append(run["error"])
+        continue
+      stats = run["phases"]["restore"]
+      kept["tries"] += stats["tries"]
+      kept["peak_delta"] = max(kept["peak_delta"], stats["peak_delta"])
+      kept["errors"] += run["errors"]
   nbytes = info["bytes"]
   rows = []
   for name, r in results.items():

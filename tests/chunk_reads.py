@@ -12,11 +12,11 @@ class ChunkReads:
   def __init__(self, monkeypatch):
     self.regions: dict[str, list] = {}
     self.files: list[str] = []
-    start, read_into, mapped = _direct.start_read, _direct.read_chunk_into, _direct.mapped_chunk
+    tasks, read_into, mapped = _direct.chunk_reads, _direct.read_chunk_into, _direct.mapped_chunk
 
-    def start_read(files, regions):
+    def chunk_reads(files, regions):
       self.regions.setdefault(files.key, []).extend(regions)
-      return start(files, regions)
+      return tasks(files, regions)
 
     def counted(files, index, out):  # a chunk read straight into one slice
       self.files.append(files.chunk(index)[1])
@@ -26,6 +26,6 @@ class ChunkReads:
       self.files.append(files.chunk(index)[1])
       return mapped(files, index)
 
-    monkeypatch.setattr(_direct, "start_read", start_read)
+    monkeypatch.setattr(_direct, "chunk_reads", chunk_reads)
     monkeypatch.setattr(_direct, "read_chunk_into", counted)
     monkeypatch.setattr(_direct, "mapped_chunk", counted_mapped)

@@ -205,6 +205,7 @@ def test_restore_onto_a_mesh_reads_each_byte_once(tmp_path, monkeypatch, devices
 
 def test_a_process_that_needs_some_columns_reads_those_only(tmp_path, monkeypatch):
   from ucp_jax.sources import _file_reads
+  from ucp_jax.store import _byte_runs
 
   data = RNG.standard_normal((16, 4096)).astype(np.float32)
   path = tmp_path / "w.safetensors"
@@ -212,7 +213,8 @@ def test_a_process_that_needs_some_columns_reads_those_only(tmp_path, monkeypatc
   begin = st.read_header(str(path)).tensors["w"].begin
   reads = _record_preads(monkeypatch)
   regions = [(slice(0, 16), slice(1024, 1536)), (slice(0, 16), slice(1536, 2048))]
-  outs, wait = _file_reads.start_read(str(path), begin, data.shape, data.dtype, regions)
+  tasks = _file_reads.tensor_reads(str(path), begin, data.shape, data.dtype, regions)
+  outs, wait = _byte_runs.start_read(regions, data.dtype, tasks)
   wait()
   for region, out in zip(regions, outs):
     np.testing.assert_array_equal(out, data[region])

@@ -262,8 +262,6 @@ def test_an_unreadable_chunk_is_a_storage_error(tmp_path, monkeypatch):
 
 def test_short_writes_and_reads_are_completed(tmp_path, monkeypatch):
   """One writev or read moves at most ~2 GiB on Linux; chunks past that must not be cut."""
-  from ucp_jax.store import _direct
-
   real_writev = os.writev
 
   def short_writev(fd, buffers):  # as the kernel does past 0x7ffff000 bytes
@@ -275,16 +273,13 @@ def test_short_writes_and_reads_are_completed(tmp_path, monkeypatch):
   ucp_jax.save(tmp_path / "c", {"w": data}, chunk_bytes=1 << 20)
   monkeypatch.undo()
 
-  real_read_all = _direct._read_all
+  real_preadv = os.preadv
 
-  def short_reads(f, buffer):
-    class Short:  # a file whose readinto returns a third of what was asked
-      def readinto(self, view):
-        return f.readinto(view[: max(1, len(view) // 3)])
+  def short_preadv(fd, buffers, offset):  # a read that returns a third of what was asked
+    first = memoryview(buffers[0]).cast("B")
+    return real_preadv(fd, [first[: max(1, first.nbytes // 3)]], offset)
 
-    return real_read_all(Short(), buffer)
-
-  monkeypatch.setattr(_direct, "_read_all", short_reads)
+  monkeypatch.setattr(os, "preadv", short_preadv)
   np.testing.assert_array_equal(ucp_jax.restore(tmp_path / "c")["w"], data)
   assert ucp_jax.open(tmp_path / "c").verify() == {}
 

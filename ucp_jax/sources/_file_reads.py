@@ -6,8 +6,8 @@ numpy's own file reads do). Slices that cut the trailing dimensions are grouped 
 they span: when together they need whole rows (this process holds every column), the rows
 are read once, into a buffer they share, and each slice is copied out; otherwise only the
 span of columns they need is read, row by row. Either way each byte is read at most once
-per process. Nothing is memory-mapped, so the process's
-resident memory holds the restored arrays only.
+per process. Nothing is memory-mapped, so the process's resident memory holds the restored
+arrays only. `_byte_runs.start_read` (store) runs the tasks planned here.
 """
 
 from __future__ import annotations
@@ -19,45 +19,38 @@ import sys
 import numpy as np
 
 from ucp_jax._errors import SourceFormatError
-from ucp_jax.store import _hostmem, _threads
+from ucp_jax.store import _byte_runs, _hostmem
 
 Region = tuple[slice, ...]
-_MAX_READ = 1 << 30  # Linux reads at most ~2 GiB per call; stay well below
 
 
-def start_read(
+def tensor_reads(
   path: str, offset: int, shape: tuple[int, ...], dtype, regions: list[Region], identity=()
-):
-  """Starts reading `regions` of the array at byte `offset` of `path` into aligned buffers.
+) -> list[_byte_runs.Task]:
+  """The tasks that read `regions` of the array at byte `offset` of `path`
+  (`_byte_runs.start_read` runs them).
 
   `identity` (device, inode, size, mtime), when given, is the file's when its header was
   checked: a file put at `path` since is refused rather than read.
-
-  Returns the buffers and a function that waits for them to be filled.
   """
   dtype = np.dtype(dtype)
   if sys.byteorder != "little" and dtype.itemsize > 1:
     raise SourceFormatError(f"{path}: little-endian data on a big-endian host")
-  outs = [_hostmem.aligned_empty(tuple(s.stop - s.start for s in r), dtype) for r in regions]
+  row = math.prod(shape[1:]) * dtype.itemsize
   by_rows: dict[tuple[int, int], list[int]] = {}
   tasks = []
   for i, region in enumerate(regions):
     if _contiguous(region, shape):
-      tasks.append(
-        _threads.submit(_read_run, path, offset, shape, dtype, region, outs[i], identity)
-      )
+      at = offset + (region[0].start * row if shape else 0)
+      tasks.append(_byte_runs.Task(_read_run, (i,), (path, at, identity)))
     else:
       by_rows.setdefault((region[0].start, region[0].stop), []).append(i)
   for (start, stop), users in by_rows.items():
     group = [regions[i] for i in users]
     block = (slice(start, stop), *_columns(group, shape))
-    tasks.append(
-      _threads.submit(
-        _read_shared, path, offset, shape, dtype, block, group, [outs[i] for i in users], identity
-      )
-    )
-
-  return outs, lambda: _threads.wait_all(tasks)
+    args = (path, offset, shape, dtype, block, group, identity)
+    tasks.append(_byte_runs.Task(_read_shared, tuple(users), args))
+  return tasks
 
 
 def _contiguous(region: Region, shape: tuple[int, ...]) -> bool:
@@ -74,19 +67,20 @@ def _columns(regions: list[Region], shape: tuple[int, ...]) -> tuple[slice, ...]
   return (slice(lo, hi), *(slice(0, n) for n in shape[2:]))
 
 
-def _read_run(path, offset, shape, dtype: np.dtype, region: Region, out: np.ndarray, identity=()):
-  row = math.prod(shape[1:]) * dtype.itemsize
-  start = offset + (region[0].start * row if shape else 0)
-  _pread(path, start, out, identity)
+def _read_run(outs: list[np.ndarray], path: str, at: int, identity) -> None:
+  """Reads a region that is one run of the file straight into its buffer."""
+  (out,) = outs
+  _pread(path, at, out, identity)
 
 
-def _read_shared(path, offset, shape, dtype, block: Region, regions, outs, identity=()) -> None:
-  """Reads `block` (rows, and a column span with whole trailing dims) once; copies out `regions`."""
+def _read_shared(outs, path, offset, shape, dtype, block: Region, regions, identity) -> None:
+  """Reads `block` (rows, and a column span with whole trailing dims) once; copies out `regions`
+  (a region that is not one run: the array has at least two dimensions)."""
   rows = _hostmem.aligned_empty(tuple(s.stop - s.start for s in block), dtype)  # pooled: warm
+  row = math.prod(shape[1:]) * dtype.itemsize
   if _contiguous(block, shape):
-    _read_run(path, offset, shape, dtype, block, rows, identity)
+    _pread(path, offset + block[0].start * row, rows, identity)
   else:  # each row's span of columns is one run
-    row = math.prod(shape[1:]) * dtype.itemsize
     first = block[1].start * math.prod(shape[2:]) * dtype.itemsize
     for i in range(rows.shape[0]):
       _pread(path, offset + (block[0].start + i) * row + first, rows[i], identity)
@@ -96,6 +90,20 @@ def _read_shared(path, offset, shape, dtype, block: Region, regions, outs, ident
 
 
 def _pread(path: str, start: int, out: np.ndarray, identity=()) -> None:
+  fd = open_unchanged(path, identity)
+  try:
+    pread_into(fd, path, start, out, "a tensor")
+  finally:
+    os.close(fd)
+
+
+def open_unchanged(path: str, identity=()) -> int:
+  """A descriptor of the file at `path`, opened for reading.
+
+  Raises:
+    SourceFormatError: it is not the file whose `identity` (device, inode, size, mtime) was
+      taken when its header was checked (a file put at `path` since, or rewritten).
+  """
   fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
   try:
     st = os.fstat(fd)
@@ -103,18 +111,16 @@ def _pread(path: str, start: int, out: np.ndarray, identity=()) -> None:
       raise SourceFormatError(
         f"{path}: changed since it was opened (replaced or rewritten); open it again"
       )
-    pread_into(fd, path, start, out, "a tensor")
-  finally:
+  except BaseException:
     os.close(fd)
+    raise
+  return fd
 
 
 def pread_into(fd: int, path: str, at: int, out: np.ndarray, inside: str) -> None:
-  """Fills the C-contiguous `out` from byte `at` of the open file `path` (the one read loop of
-  source files); a file that ends first is an error naming what it ends `inside`."""
-  view = memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(bytearray())
-  done = 0
-  while done < view.nbytes:
-    got = os.preadv(fd, [view[done : done + _MAX_READ]], at + done)
-    if got == 0:
-      raise SourceFormatError(f"{path}: ends at byte {at + done}, inside {inside}")
-    done += got
+  """Fills the C-contiguous `out` from byte `at` of the open file `path` (`_byte_runs.read_full`);
+  a file that ends first is an error naming what it ends `inside`."""
+  view = _byte_runs.byte_view(out)
+  done = _byte_runs.read_full(fd, at, view)
+  if done < view.nbytes:
+    raise SourceFormatError(f"{path}: ends at byte {at + done}, inside {inside}")

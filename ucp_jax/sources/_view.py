@@ -17,7 +17,7 @@ import tensorstore as ts
 
 from ucp_jax import _errors
 from ucp_jax.sources import _file_reads, _files, _registry, _source_plan
-from ucp_jax.store import _location
+from ucp_jax.store import _byte_runs, _location
 from ucp_jax.store._checkpoint import Checkpoint
 
 _BLOCK_BYTES = 64 << 20
@@ -52,7 +52,8 @@ class SourceCheckpoint(Checkpoint):
       return super().start_read(key, regions)
     tensor = self._tensors[key]
     path, offset, identity = tensor.file
-    return _file_reads.start_read(path, offset, tensor.shape, tensor.dtype, regions, identity)
+    tasks = _file_reads.tensor_reads(path, offset, tensor.shape, tensor.dtype, regions, identity)
+    return _byte_runs.start_read(regions, tensor.dtype, tasks)
 
   def array(self, key: str) -> np.ndarray:
     """`key` as a numpy array: a memory map where it is one piece of a file."""
@@ -102,13 +103,8 @@ def _file_store(tensor: _source_plan.Tensor):
 
   def read(region: tuple[slice, ...], out: np.ndarray) -> None:
     got = np.empty((region[0].stop - region[0].start, *shape[1:]), dtype)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = _file_reads.open_unchanged(path, identity)
     try:
-      st = os.fstat(fd)
-      if identity and (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != tuple(identity):
-        raise _errors.SourceFormatError(
-          f"{path}: changed since it was opened (replaced or rewritten); open it again"
-        )
       if hasattr(os, "posix_fadvise"):  # exactly these bytes: no readahead past them
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
       _file_reads.pread_into(fd, path, offset + region[0].start * row, got, "a tensor")

@@ -3,11 +3,12 @@
 For uncompressed arrays in a local directory a zarr v3 chunk is just the raw
 little-endian C-order bytes followed by their crc32c. Writing a chunk that is a
 contiguous block of a shard is then one checksum and one `writev`, and reading a
-chunk that lands contiguously in a device's slice is one `readinto` straight into
-the buffer the device adopts: one copy from the page cache, like raw numpy file
-I/O. A chunk that feeds several slices is mapped (`mmap`), checked, and copied
-from the page cache into each. Everything else (object stores, compression, mapped
-views) goes through TensorStore, which reads the same files.
+chunk that lands contiguously in a device's slice is one `pread` straight into
+the buffer the device adopts (`_byte_runs` starts the reads): one copy from the
+page cache, like raw numpy file I/O. A chunk that feeds several slices is mapped
+(`mmap`), checked, and copied from the page cache into each. Everything else
+(object stores, compression, mapped views) goes through TensorStore, which reads
+the same files.
 
 Each chunk read is checked twice: against its own crc32c trailer (the bytes are
 intact) and against the manifest's entry for its place (`expected`: the bytes are
@@ -30,7 +31,7 @@ import crc32c
 import numpy as np
 
 from ucp_jax import _errors
-from ucp_jax.store import _bundle, _chunks, _hostmem, _regions, _threads, _untrusted
+from ucp_jax.store import _bundle, _byte_runs, _chunks, _regions, _untrusted
 from ucp_jax.store._manifest import ArrayInfo
 
 ENABLED = sys.byteorder == "little"
@@ -42,17 +43,6 @@ Region = _regions.Region
 def chunk_path(array_dir: str, index: tuple[int, ...]) -> str:
   """The file of chunk `index` under zarr v3's default chunk key encoding."""
   return os.path.join(array_dir, "c", *map(str, index))
-
-
-def _read_all(f, buffer: memoryview) -> int:
-  """`readinto` until `buffer` is full or the file ends (one call reads at most ~2 GiB)."""
-  got = 0
-  while got < buffer.nbytes:
-    n = f.readinto(buffer[got:])
-    if not n:
-      break
-    got += n
-  return got
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,44 +170,40 @@ def _read_index(files: ArrayFiles, path: str, shown: str) -> np.ndarray:
   raise _errors.CorruptCheckpointError(f"{shown}: `{files.key}`: bad bundle file: {table}")
 
 
-def start_read(files: ArrayFiles, regions: list[Region]):
-  """Starts reading several regions of one array, each chunk once, into aligned host buffers.
-
-  Returns the buffers and a function that waits for them to be filled.
+def chunk_reads(files: ArrayFiles, regions: list[Region]) -> list[_byte_runs.Task]:
+  """The tasks that read several regions of one array (`_byte_runs.start_read`), each chunk
+  under them once.
 
   A chunk needed by one region only, and contiguous there, is read straight into
-  that region's buffer; any other is read once and copied into each region.
-
-  Raises:
-    CorruptCheckpointError: a chunk file is missing, short, fails its checksum, or
-      is not the chunk the manifest recorded at its place.
+  that region's buffer; any other is read once and copied into each region. A task
+  raises `CorruptCheckpointError` where a chunk file is missing, short, fails its
+  checksum, or is not the chunk the manifest recorded at its place.
   """
-  dtype = np.dtype(files.info.dtype)
-  outs = [_hostmem.aligned_empty(tuple(s.stop - s.start for s in r), dtype) for r in regions]
   users: dict[tuple[int, ...], list[int]] = {}
   for i, region in enumerate(regions):
     for index in _chunks.chunks_in(region, files.info.chunks):
       users.setdefault(index, []).append(i)
-  tasks = [
-    _threads.submit(_read_chunk, files, index, regions, outs, users[index]) for index in users
+  return [
+    _byte_runs.Task(_read_chunk, tuple(used), (files, index, [regions[i] for i in used]))
+    for index, used in users.items()
   ]
-  return outs, lambda: _threads.wait_all(tasks)
 
 
-def _read_chunk(files: ArrayFiles, index, regions, outs, users) -> None:
+def _read_chunk(outs: list[np.ndarray], files: ArrayFiles, index, regions: list[Region]) -> None:
+  """Fills the parts of `outs` (the buffers of `regions`) that chunk `index` holds."""
   info = files.info
   chunk = _chunks.chunk_region(index, info.chunks, info.shape)
   full = tuple(chunk) == tuple(slice(i * c, (i + 1) * c) for i, c in zip(index, info.chunks))
-  if len(users) == 1 and full and _regions.overlap(chunk, regions[users[0]]) == chunk:
-    target = outs[users[0]][_regions.relative(chunk, regions[users[0]])]
+  if len(regions) == 1 and full and _regions.overlap(chunk, regions[0]) == chunk:
+    target = outs[0][_regions.relative(chunk, regions[0])]
     if target.flags.c_contiguous:
       read_chunk_into(files, index, target)
       return
   buffer = mapped_chunk(files, index)
-  for i in users:
-    part = _regions.overlap(chunk, regions[i])
+  for out, region in zip(outs, regions):
+    part = _regions.overlap(chunk, region)
     if part is not None:
-      outs[i][_regions.relative(part, regions[i])] = buffer[_regions.relative(part, chunk)]
+      out[_regions.relative(part, region)] = buffer[_regions.relative(part, chunk)]
 
 
 def mapped_chunk(files: ArrayFiles, index: tuple[int, ...]) -> np.ndarray:
@@ -276,13 +262,13 @@ def read_chunk_into(files: ArrayFiles, index: tuple[int, ...], out: np.ndarray) 
 
 
 def _read_into(files: ArrayFiles, index, out, path: str, shown: str, offset: int | None) -> None:
-  raw = memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(bytearray())
+  raw = _byte_runs.byte_view(out)
+  start = offset or 0
   try:
     with _open_chunks(files, path, shown) as f:
-      if offset is not None:
-        f.seek(offset)
-      got = _read_all(f, raw) if out.size else 0
-      tail = f.read(5 if offset is None else 4)  # a chunk file ends with its checksum
+      got = _byte_runs.read_full(f.fileno(), start, raw)
+      # a chunk file ends with its checksum (a fifth byte: the file is longer than a chunk)
+      tail = os.pread(f.fileno(), 5 if offset is None else 4, start + got)
   except FileNotFoundError:
     raise _errors.CorruptCheckpointError(f"{shown}: `{files.key}`: chunk file missing") from None
   except OSError as e:

@@ -20,6 +20,7 @@ import tensorstore as ts
 from ucp_jax import _errors
 from ucp_jax.store import (
   _bundle,
+  _byte_runs,
   _chunks,
   _commit,
   _direct,
@@ -103,7 +104,7 @@ class StoredCheckpoint(Checkpoint):
     files = self.files(key)
     if files is None:
       raise ValueError(f"`{key}` is not read directly; read it through open_future")
-    return _direct.start_read(files, regions)
+    return _byte_runs.start_read(regions, files.info.dtype, _direct.chunk_reads(files, regions))
 
   def replaced(self) -> bool:
     """Whether another save has replaced the checkpoint at this path since it was opened.

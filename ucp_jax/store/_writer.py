@@ -19,6 +19,7 @@ from ucp_jax.store import (
   _chunk_writes,
   _chunks,
   _commit,
+  _creation,
   _direct,
   _folders,
   _keypath,
@@ -27,11 +28,13 @@ from ucp_jax.store import (
   _pool,
   _regions,
   _reuse,
+  _sealed,
   _shards,
-  _threads,
+  _together,
   _zarr,
 )
 from ucp_jax.store._shards import Entry as Entry
+from ucp_jax.store._together import together as together
 
 
 class Writer:
@@ -43,7 +46,7 @@ class Writer:
 
   Every chunk written gets its checksum recorded (`_chunks`); the commit gathers
   them from every process into the manifest and refuses to commit an array with
-  a chunk nobody wrote. With `durable` (the default) every file is fsynced by the
+  a chunk nobody wrote (`_sealed`). With `durable` (the default) every file is fsynced by the
   thread that wrote it, and the directories before the commit, so a committed
   checkpoint survives a power loss.
   """
@@ -98,7 +101,7 @@ class Writer:
           _pool.register(self._pool, token, [self._pool.generation(token)])
         status[:] = (1, token)
       except Exception as e:  # reported to the other processes, then raised here
-        error = _location.storage_error(e, self.target, "starting the save", _NOTHING_LOST)
+        error = _location.storage_error(e, self.target, "starting the save", _together.NOTHING_LOST)
       except BaseException:  # an interrupt: the lock must not stay held by this process
         self._release()
         raise
@@ -148,47 +151,15 @@ class Writer:
       self._stores = {key: f.result() for key, f in futures.items()}
 
   def _create(self, arrays: dict[str, _manifest.ArrayInfo], compression: str | None) -> None:
-    specs = {
-      key: _zarr.array_spec(
-        self.staging,
-        key,
-        shape=info.shape,
-        dtype=np.dtype(info.dtype),
-        chunks=info.chunks,
-        compression=compression,
-        bundle=info.bundle,
-      )
-      for key, info in arrays.items()
-    }
-    # An array written without TensorStore gets the zarr.json TensorStore wrote for the same
-    # metadata before, without TensorStore (one file write instead of an open and a create).
-    known = {
-      k: _zarr.known_metadata(spec) for k, spec in specs.items() if self._direct(self._arrays[k])
-    }
-    futures = {
-      key: _zarr.create_array(spec, self._durable)
-      for key, spec in specs.items()
-      if known.get(key) is None
-    }
-    root = self.staging.local_dir
-    writes = [
-      _threads.submit_or_run(
-        _folders.write_file, os.path.join(root, key, "zarr.json"), raw, self._durable
-      )
-      for key, raw in known.items()
-      if raw is not None
-    ]
-    _folders.write_groups(self.staging, list(arrays), self._durable)
-    if self.target.local_dir is None:  # the root group, above its generation (or pool)
-      _location.kvstore(self.target, self._durable).write(
-        "zarr.json", _folders.group_json(True)
-      ).result()
-    self._stores = {key: f.result() for key, f in futures.items()}
-    self._nodes = writes  # nobody reads them before the commit, which waits for them
-    self._inflight += writes
-    for key in futures.keys() & known.keys():
-      with open(os.path.join(root, key, "zarr.json"), "rb") as f:
-        _zarr.learn_metadata(specs[key], f.read())
+    self._stores, self._nodes = _creation.create_arrays(
+      self.staging,
+      self.target,
+      arrays,
+      compression=compression,
+      durable=self._durable,
+      direct={k for k in arrays if self._direct(self._arrays[k])},
+      started=self._inflight,
+    )
 
   def _direct(self, info: _manifest.ArrayInfo) -> bool:
     """Whether `info`'s chunks are written as files, without TensorStore (`_write`)."""
@@ -338,65 +309,23 @@ class Writer:
   def _commit(self, manifest: _manifest.Manifest, entries: list[bytes]) -> None:
     for write in self._nodes:
       write.result()
-    keys = sorted(self._tables)
-    for raw in entries[1:]:  # this process's own entries are in its tables already
-      _chunks.merge_entries(self._tables, keys, raw, self._hashed)
-    for key, info in self._reused.items():  # the base's chunks, checked by place as its own
-      self._tables[key].fill(info.checksums, info.hashes)
-    incomplete = [
-      f"{k}: {t.missing()} of {t.written.size} chunks not written"
-      for k, t in self._tables.items()
-      if t.missing()
-    ]
-    if incomplete:
-      raise _errors.UcpError(
-        f"{self.target}: refusing to commit arrays that were not wholly written:\n"
-        + _errors.bullet_list(incomplete)
-      )
-    arrays = {
-      k: dataclasses.replace(
-        v,
-        compression=self._arrays[k].compression,
-        checksums=self._tables[k].crcs,
-        hashes=self._tables[k].hashes,
-      )
-      if k in self._arrays
-      else v
-      for k, v in manifest.arrays.items()
-    }
-    if self._pool is not None:  # each array names the generation of the pool that holds it
-      own = self._pool.generation(self.token)
-      arrays = {
-        k: dataclasses.replace(v, at=self._reused[k].at if k in self._reused else own)
-        for k, v in arrays.items()
-      }
-    manifest = dataclasses.replace(
+    _sealed.merge_tables(self.target, self._tables, entries, self._reused, self._hashed)
+    manifest = _sealed.sealed_manifest(
       manifest,
-      arrays=arrays,
+      self._arrays,
+      self._tables,
+      self._reused,
+      pool=self._pool,
+      token=self.token,
       data=self._data,
-      token=f"{self.token:016x}",
       durable=self._durable,
-      pool=self._pool.relative if self._pool is not None else "",
     )
     if self._durable and self.staging.local_dir is not None:
       _folders.fsync(_folders.array_dirs(self.staging.local_dir, self._arrays))
     _commit.commit(self.staging, self.target, manifest.to_bytes(), durable=self._durable)
     if self.target.local_dir is None:
       _commit.remove_replaced(self.target, self._data, self._replaced)
-      self._collect()
-
-  def _collect(self) -> None:
-    """Collects the pools this commit may have left garbage in: its own, and the replaced
-    checkpoint's. The commit is done: a collection that fails leaves garbage, nothing else."""
-    pools = [self._pool.location] if self._pool is not None else []
-    if isinstance(self._replaced, _manifest.Manifest):
-      with contextlib.suppress(_errors.ManifestError):
-        old = _pool.location_of(self.target, self._replaced)
-        if old is not None and not any(_pool.same(old, p) for p in pools):
-          pools.append(old)
-    for pool in pools:
-      with contextlib.suppress(Exception):
-        _pool.collect(pool)
+      _sealed.collect_after_commit(self.target, self._pool, self._replaced)
 
   def __exit__(self, exc_type, exc, tb) -> None:
     try:
@@ -414,25 +343,6 @@ class Writer:
     if self._lock is not None:
       self._lock.release()
       self._lock = None
-
-
-def together(sync: _multihost.Sync, target: _location.Location, what: str, fn, *args) -> Any:
-  """`fn(*args)` on every process; if it fails on any process, every process raises."""
-  error, result = None, None
-  try:
-    result = fn(*args)
-  except Exception as e:
-    error = _location.storage_error(e, target, what, _NOTHING_LOST)
-    if error is not e:
-      error.__cause__ = e
-  if not sync.all_ok(error is None, what):
-    if error is not None:
-      raise error
-    raise _errors.UcpError(f"{target}: {what} failed on another process (see its log)")
-  return result
-
-
-_NOTHING_LOST = "Nothing was committed; the checkpoint there before, if any, is intact."
 
 
 def _refuse_lost(target: _location.Location, lost: list[str]) -> None:

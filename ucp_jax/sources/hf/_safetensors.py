@@ -2,21 +2,20 @@
 
 A file is an 8-byte little-endian header length N, N bytes of JSON naming each tensor's
 dtype, shape and `[begin, end)` byte range in the data that follows, then the data. A
-sharded checkpoint adds an index (`model.safetensors.index.json`, and the same for
-`pytorch_model.bin`), whose `weight_map` names the file of each tensor. Every tensor comes
-back as a read-only memory map of exactly its bytes: a read of a slice touches only the
-pages under it.
+sharded checkpoint adds an index, whose `weight_map` names the file of each tensor
+(`_shard_index` checks it). Every tensor comes back as a read-only memory map of exactly
+its bytes: a read of a slice touches only the pages under it.
 
 The header is untrusted: its size is bounded by the file's (and by `MAX_HEADER_BYTES`), its
 JSON is checked for size, values (`check_values`) and depth before it is parsed
 (`store._untrusted.loads_json`), names must be unique and valid Unicode, the tensors at most
 `MAX_TENSORS`, shapes sizes an array can have, every range must lie in the data, match its
 dtype and shape exactly, and no two may overlap (one sort: O(n log n) in the tensors
-declared). An index is checked the same way, and names plain files of its folder. The file
-is opened once (a regular file, never blocking, a link only if it stays in the checkpoint's
-folder: `store._untrusted.check_inside`) and mapped from that descriptor, so the bytes read
-are those of the file whose header was checked. Messages never show bytes of a file that
-failed a check beyond the names and values its header declares, shortened.
+declared). The file is opened once (a regular file, never blocking, a link only if it stays
+in the checkpoint's folder: `store._untrusted.check_inside`) and mapped from that
+descriptor, so the bytes read are those of the file whose header was checked. Messages
+never show bytes of a file that failed a check beyond the names and values its header
+declares, shortened.
 """
 
 from __future__ import annotations
@@ -38,18 +37,10 @@ from ucp_jax.store._untrusted import loads_json, open_regular
 
 MAX_HEADER_BYTES = 100 << 20
 """The safetensors library's own bound on the JSON header."""
-MAX_INDEX_BYTES = 100 << 20
-"""The most an index (`*.index.json`) may hold."""
 MAX_TENSORS = 1 << 16
 """The most tensors one safetensors file may declare (real shards hold a few thousand)."""
-MAX_INDEX_TENSORS = 1 << 18
-"""The most tensors an index may list (the largest open models list about 150,000)."""
-MAX_SHARDS = 1 << 12
-"""The most shard files an index may name (real ones: a few hundred)."""
 HEADER_DEPTH = 3
 """A header nests three deep: the header, a tensor entry, its shape."""
-INDEX_DEPTH = 8
-"""An index nests two deep (`weight_map`, `metadata`); a little room for writers' metadata."""
 MAX_METADATA = 1 << 10
 """The most `__metadata__` entries a header may hold (writers put a few: `format`); they go
 into the manifest."""
@@ -88,8 +79,6 @@ PACKED = {"F4": "4-bit floats, two per byte", "F6_E2M3": "6-bit floats", "F6_E3M
 
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
 """numpy dtype -> safetensors name, for writers."""
-
-INDEX_SUFFIX = ".safetensors.index.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,7 +232,9 @@ def read_remote_header(folder, name: str) -> SafetensorsFile:
 
 def _checked(path, size, length, raw, identity, mapped, fetch=None) -> SafetensorsFile:
   """The header `raw` (of `length` bytes, in a file of `size`, None where unknown) checked."""
-  header, repeated = _json(raw, f"{path}: the safetensors header", HEADER_DEPTH, MAX_HEADER_BYTES)
+  header, repeated = parse_json(
+    raw, f"{path}: the safetensors header", HEADER_DEPTH, MAX_HEADER_BYTES
+  )
   if not isinstance(header, dict):
     raise SourceFormatError(f"{path}: the safetensors header is not a JSON object")
   metadata = header.pop("__metadata__", None)
@@ -303,7 +294,7 @@ def check_values(raw: bytes, where: str, limit: int = MAX_VALUES) -> None:
     )
 
 
-def _json(raw: bytes, where: str, depth: int, max_bytes: int) -> tuple[object, list[str]]:
+def parse_json(raw: bytes, where: str, depth: int, max_bytes: int) -> tuple[object, list[str]]:
   """Parses a JSON document (checked for size, values, depth, NaN and lone surrogates first),
   noting every object key that appears twice (the last one would win)."""
   if len(raw) <= max_bytes:  # else `loads_json` says how large it is
@@ -363,178 +354,3 @@ def _ints(value) -> bool:
   return isinstance(value, list) and all(
     isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
   )
-
-
-def read_index(path: str, folder: str | None = None) -> dict[str, str]:
-  """`weight_map` of a sharded checkpoint's index: tensor name -> shard file (absolute).
-
-  Works for `model.safetensors.index.json` and `pytorch_model.bin.index.json` alike.
-
-  Args:
-    path: the index.
-    folder: the checkpoint's folder (default: the index's): a link may not leave it.
-
-  Raises:
-    SourceFormatError: not JSON, no `weight_map` of names to file names, too many tensors or
-      shards, a name listed twice, a shard that is not a file name of the index's folder,
-      or a shard file that is missing (one line, naming the first problems).
-  """
-  here = os.path.dirname(os.path.abspath(path))
-  try:
-    with open_regular(path, inside=folder or here) as f:
-      raw = f.read(MAX_INDEX_BYTES + 1)
-  except FileNotFoundError:
-    raise SourceFormatError(f"{path}: no such file") from None
-  if len(raw) > MAX_INDEX_BYTES:
-    raise SourceFormatError(f"{path}: an index larger than {MAX_INDEX_BYTES} bytes")
-  weight_map, problems = parse_index(raw, path)
-  by_shard = _by_shard(weight_map)
-  for file, names in by_shard.items():
-    if not _file_name(file):
-      problems.append(
-        f"shard {shown(file)}, listed for tensor {_some(names)}, lies outside the folder"
-      )
-    elif not os.path.lexists(os.path.join(here, file)):
-      problems.append(f"shard {file}, listed for tensor {_some(names)}, is missing")
-  fail(path, "the index names shards that cannot be read", problems)
-  return {name: os.path.join(here, file) for name, file in weight_map.items()}
-
-
-def parse_index(raw: bytes, path: str) -> tuple[dict[str, str], list[str]]:
-  """(`weight_map` as written, problems so far) of an index's bytes.
-
-  Raises:
-    SourceFormatError: not a JSON object with a `weight_map` of names to file names, or
-      one of more than `MAX_INDEX_TENSORS` tensors or `MAX_SHARDS` files.
-  """
-  index, repeated = _json(raw, path, INDEX_DEPTH, MAX_INDEX_BYTES)
-  weight_map = index.get("weight_map") if isinstance(index, dict) else None
-  if not isinstance(weight_map, dict):
-    raise SourceFormatError(f"{path}: no `weight_map` of tensor names to file names")
-  bad = next((k for k, v in weight_map.items() if not isinstance(v, str)), None)
-  if bad is not None:
-    raise SourceFormatError(
-      f"{path}: `weight_map` {shown(bad)}: {shown(weight_map[bad])} is not a file name"
-    )
-  if len(weight_map) > MAX_INDEX_TENSORS:
-    raise SourceFormatError(
-      f"{path}: `weight_map` lists {len(weight_map)} tensors, more than the "
-      f"{MAX_INDEX_TENSORS} an index may list"
-    )
-  shards = len(set(weight_map.values()))
-  if shards > MAX_SHARDS:
-    raise SourceFormatError(
-      f"{path}: `weight_map` names {shards} shard files, more than the {MAX_SHARDS} an index "
-      "may name"
-    )
-  return weight_map, [f"tensor {shown(k)} is listed twice" for k in repeated if k in weight_map]
-
-
-def _by_shard(weight_map: dict[str, str]) -> dict[str, list[str]]:
-  by_shard: dict[str, list[str]] = {}
-  for name, file in weight_map.items():
-    by_shard.setdefault(file, []).append(name)
-  return by_shard
-
-
-def _file_name(name: str) -> bool:
-  """Whether `name` is a plain file name: no folder, no parent, nothing a terminal acts on
-  (no control character, no line break)."""
-  return (
-    name not in ("", ".", "..") and "/" not in name and os.sep not in name and name.isprintable()
-  )
-
-
-def match_index(index_path: str, weight_map: dict[str, str], found: dict[str, list[str]]) -> None:
-  """Checks the shards against their index: each tensor in the file it names, once.
-
-  Args:
-    index_path: the index, for messages.
-    weight_map: `read_index(index_path)`.
-    found: shard file -> the tensor names it holds.
-
-  Raises:
-    SourceFormatError: a tensor in two shards, in a shard the index does not name for it,
-      or listed in the index and in no shard (all named).
-  """
-  problems, seen = [], {}
-  for file, names in found.items():
-    for name in names:
-      if name in seen:
-        problems.append(
-          f"tensor {shown(name)} is in both {os.path.basename(seen[name])} and "
-          f"{os.path.basename(file)}"
-        )
-      else:
-        problems += _misplaced(file, name, weight_map.get(name))
-      seen.setdefault(name, file)
-  problems += [
-    f"tensor {shown(n)}: listed in the index for {os.path.basename(f)}, which does not hold it"
-    for n, f in weight_map.items()
-    if n not in seen
-  ]
-  fail(index_path, "the shards do not match the index", problems)
-
-
-def _misplaced(file: str, name: str, listed: str | None) -> list[str]:
-  """What is wrong with shard `file` holding tensor `name`, which the index lists in `listed`."""
-  shard = os.path.basename(file)
-  if listed is None:
-    return [f"{shard} holds tensor {shown(name)}, which the index does not list"]
-  if listed != file:
-    return [
-      f"{shard} holds tensor {shown(name)}, which the index puts in {os.path.basename(listed)}"
-    ]
-  return []
-
-
-def read_remote_sharded(folder, index_name: str, names: list[str]) -> list[SafetensorsFile]:
-  """`read_sharded` for a folder on an object store (a `_remote.Folder` holding `names`)."""
-  where = folder.path(index_name)
-  weight_map, problems = parse_index(folder.read_small(index_name, MAX_INDEX_BYTES), where)
-  present = set(names)
-  by_shard = _by_shard(weight_map)
-  for file, listed in by_shard.items():
-    if not _file_name(file):
-      problems.append(
-        f"shard {shown(file)}, listed for tensor {_some(listed)}, lies outside the folder"
-      )
-    elif file not in present:
-      problems.append(f"shard {file}, listed for tensor {_some(listed)}, is missing")
-  fail(where, "the index names shards that cannot be read", problems)
-  full = {name: folder.path(file) for name, file in weight_map.items()}
-  files = []
-  for file in sorted(by_shard):
-    files.append(read_remote_header(folder, file))
-    _only_listed(where, files[-1], full)
-  match_index(where, full, {f.path: list(f.tensors) for f in files})
-  return files
-
-
-def read_sharded(
-  index_path: str, folder: str | None = None
-) -> tuple[list[SafetensorsFile], dict[str, TensorInfo]]:
-  """Every shard of an index, checked against it: each tensor where the index says.
-
-  A shard holding a tensor the index does not list in it is refused as soon as it is read,
-  so the tensors parsed are at most those the index lists, and one shard's.
-  """
-  weight_map = read_index(index_path, folder)
-  files = []
-  for file in sorted(set(weight_map.values())):
-    files.append(read_header(file, folder))
-    _only_listed(index_path, files[-1], weight_map)
-  match_index(index_path, weight_map, {f.path: list(f.tensors) for f in files})
-  tensors = {name: info for f in files for name, info in f.tensors.items()}
-  return files, tensors
-
-
-def _only_listed(index: str, file: SafetensorsFile, weight_map: dict[str, str]) -> None:
-  """Refuses a shard holding a tensor the index does not list in it, as soon as it is read:
-  the tensors parsed are then at most those the index lists, and one shard's."""
-  problems = [p for name in file.tensors for p in _misplaced(file.path, name, weight_map.get(name))]
-  fail(index, "the shards do not match the index", problems)
-
-
-def _some(names: list[str]) -> str:
-  return shown(names[0]) + (f" and {len(names) - 1} more" if len(names) > 1 else "")

@@ -33,6 +33,7 @@ from ucp_jax._errors import SourceFormatError
 from ucp_jax.sources import _remote
 from ucp_jax.sources._source_plan import Param, Plan, Tensor, lazy_store
 from ucp_jax.sources.hf import _safetensors as st
+from ucp_jax.sources.hf import _shard_index as shard_index
 from ucp_jax.sources.torch import _source as torch_source
 from ucp_jax.store import _untrusted
 
@@ -72,12 +73,12 @@ def sniff(path: str) -> bool:
   """
   if os.path.isdir(path):
     return _holds_weights(set(os.listdir(path)))
-  return path.endswith((".safetensors", st.INDEX_SUFFIX, BIN_INDEX))
+  return path.endswith((".safetensors", shard_index.INDEX_SUFFIX, BIN_INDEX))
 
 
 def sniff_remote(url: str) -> bool:
   """`sniff` for a URL (an object-store folder or file): one listing."""
-  if url.endswith((".safetensors", st.INDEX_SUFFIX)):
+  if url.endswith((".safetensors", shard_index.INDEX_SUFFIX)):
     return True
   try:
     return _holds_weights(set(_remote.Folder.at(url).names()))
@@ -87,7 +88,7 @@ def sniff_remote(url: str) -> bool:
 
 def _holds_weights(names: set[str]) -> bool:
   return {"config.json", "pytorch_model.bin"} <= names or any(
-    n == BIN_INDEX or n.endswith((".safetensors", st.INDEX_SUFFIX)) for n in names
+    n == BIN_INDEX or n.endswith((".safetensors", shard_index.INDEX_SUFFIX)) for n in names
   )
 
 
@@ -149,7 +150,7 @@ def _remote_folder(url: str):
   """(folder, weights, config, `_tensors`' answer) of a folder or file on an object store:
   safetensors only, read by byte ranges (a `.bin` would be a pickle to download whole)."""
   url = url.rstrip("/")
-  if url.endswith((".safetensors", st.INDEX_SUFFIX)):
+  if url.endswith((".safetensors", shard_index.INDEX_SUFFIX)):
     folder_url, name = url.rsplit("/", 1)
     folder = _remote.Folder.at(folder_url)
     names = folder.names()
@@ -170,7 +171,7 @@ def _remote_folder(url: str):
       folder.read_small("config.json", MAX_CONFIG_BYTES), folder.path("config.json")
     )
   if name.endswith(".json"):
-    files = st.read_remote_sharded(folder, name, names)
+    files = shard_index.read_remote_sharded(folder, name, names)
   else:
     files = [st.read_remote_header(folder, name)]
   tensors = {
@@ -209,9 +210,9 @@ def _weights(folder: str) -> str:
 
 def _choose_weights(folder: str, names: list[str]) -> str:
   """The name of the weights file (or index) among a folder's `names`."""
-  indexes = [n for n in names if n.endswith(st.INDEX_SUFFIX)]
+  indexes = [n for n in names if n.endswith(shard_index.INDEX_SUFFIX)]
   singles = [n for n in names if n.endswith(".safetensors")]
-  for choice in ("model" + st.INDEX_SUFFIX, "model.safetensors"):
+  for choice in ("model" + shard_index.INDEX_SUFFIX, "model.safetensors"):
     if choice in names:
       return choice
   for found, what in ((indexes, "safetensors indexes"), (singles, "safetensors files")):
@@ -240,7 +241,7 @@ def _tensors(
   if weights.endswith(BIN_INDEX) or weights.endswith(".bin"):
     return _bin(weights, folder)
   if weights.endswith(".json"):
-    files, _ = st.read_sharded(weights, folder)
+    files, _ = shard_index.read_sharded(weights, folder)
   else:
     files = [st.read_header(weights, folder)]
   tensors = {}
@@ -260,7 +261,7 @@ def _mapped(file: st.SafetensorsFile, name: str):
 def _bin(weights: str, folder: str) -> tuple[dict[str, Tensor], list[str], dict, dict[str, str]]:
   """The tensors of `pytorch_model.bin` or of the shards its index names."""
   if weights.endswith(".json"):
-    weight_map = st.read_index(weights, folder)
+    weight_map = shard_index.read_index(weights, folder)
     files = sorted(set(weight_map.values()))
   else:
     weight_map, files = None, [weights]
@@ -274,7 +275,7 @@ def _bin(weights: str, folder: str) -> tuple[dict[str, Tensor], list[str], dict,
     found[file] = list(state)
     arrays.update({name: (file, array) for name, array in state.items()})
   if weight_map is not None:
-    st.match_index(weights, weight_map, found)
+    shard_index.match_index(weights, weight_map, found)
   aliases = torch_source.aliases({n: a for n, (_, a) in arrays.items()})
   tensors = {
     n: torch_source.whole(a, f"{f}: tensor {n!r}")

@@ -1,0 +1,65 @@
+"""Creating a save's arrays in its staging location (process 0), before any chunk is written."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from ucp_jax.store import _folders, _location, _manifest, _threads, _zarr
+
+
+def create_arrays(
+  staging: _location.Location,
+  target: _location.Location,
+  arrays: dict[str, _manifest.ArrayInfo],
+  *,
+  compression: str | None,
+  durable: bool,
+  direct: set[str],
+  started: list,
+) -> tuple[dict[str, Any], list]:
+  """Creates `arrays` below `staging`, with their groups (and, on an object store, the root
+  group of `target`).
+
+  An array in `direct` (its chunks written as files, without TensorStore: `_chunk_writes`)
+  gets the zarr.json TensorStore wrote for the same metadata before, without TensorStore
+  (one file write instead of an open and a create).
+
+  Returns:
+    The open TensorStores of the other arrays, and the zarr.json writes still running (also
+    appended to `started`, which an abort waits for); nobody reads those files before the
+    commit, which waits for them.
+  """
+  specs = {
+    key: _zarr.array_spec(
+      staging,
+      key,
+      shape=info.shape,
+      dtype=np.dtype(info.dtype),
+      chunks=info.chunks,
+      compression=compression,
+      bundle=info.bundle,
+    )
+    for key, info in arrays.items()
+  }
+  known = {k: _zarr.known_metadata(spec) for k, spec in specs.items() if k in direct}
+  futures = {
+    key: _zarr.create_array(spec, durable) for key, spec in specs.items() if known.get(key) is None
+  }
+  root = staging.local_dir
+  writes = [
+    _threads.submit_or_run(_folders.write_file, os.path.join(root, key, "zarr.json"), raw, durable)
+    for key, raw in known.items()
+    if raw is not None
+  ]
+  _folders.write_groups(staging, list(arrays), durable)
+  if target.local_dir is None:  # the root group, above its generation (or pool)
+    _location.kvstore(target, durable).write("zarr.json", _folders.group_json(True)).result()
+  stores = {key: f.result() for key, f in futures.items()}
+  started.extend(writes)
+  for key in futures.keys() & known.keys():
+    with open(os.path.join(root, key, "zarr.json"), "rb") as f:
+      _zarr.learn_metadata(specs[key], f.read())
+  return stores, writes
