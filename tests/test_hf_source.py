@@ -163,13 +163,18 @@ def _record_preads(monkeypatch) -> list[tuple[int, int]]:
   """Every (file offset, bytes) the checkpoint view reads, as it reads them."""
   from ucp_jax.sources import _file_reads
 
-  reads, pread = [], _file_reads._pread
+  reads, pread, scatter = [], _file_reads._pread, _file_reads._scatter_rows
 
   def recorded(path, start, out, identity=()):
     reads.append((start, out.nbytes))
     return pread(path, start, out, identity)
 
+  def recorded_scatter(path, start, outs, identity=()):  # whole rows split over the buffers
+    reads.append((start, sum(out.nbytes for out in outs)))
+    return scatter(path, start, outs, identity)
+
   monkeypatch.setattr(_file_reads, "_pread", recorded)
+  monkeypatch.setattr(_file_reads, "_scatter_rows", recorded_scatter)
   return reads
 
 
@@ -611,3 +616,91 @@ def test_a_file_replaced_after_it_was_opened_is_refused(tmp_path, devices):
   }
   with pytest.raises(ucp_jax.SourceFormatError, match="changed since it was opened"):
     ucp_jax.restore(view, target, subtree="params")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float64"])
+def test_transposed_and_head_split_slices_are_laid_out_exactly(tmp_path, monkeypatch, dtype):
+  """Kernels as the Llama rules read them (transpose; transpose then a head split, on either
+  axis), large enough for the tiled copy through a CPU device, cut into several pieces per
+  device, onto a 2 x 4 mesh: every element where numpy's transpose and reshape put it. float64
+  (which JAX narrows where x64 is off) takes TensorStore's copy instead, as exact."""
+  from ucp_jax.mapping import _mapped
+  from ucp_jax.tree import _devices
+
+  monkeypatch.setattr(_mapped, "PIECE_BYTES", 64 << 10)  # several pieces per device slice
+  dense, copies = _devices.dense_copy, []
+
+  def counted(view, out):
+    copies.append(view.strides[-1] != view.itemsize)
+    return dense(view, out)
+
+  monkeypatch.setattr(_devices, "dense_copy", counted)
+  heads, k, d = 8, 32, 256
+  sd = {
+    "fc.weight": _random(dtype, (384, d)),  # [out, in] -> [in, out]
+    "q.weight": _random(dtype, (heads * k, d)),  # [h*k, d] -> [d, h, k]
+    "o.weight": _random(dtype, (d, heads * k)),  # [d, h*k] -> [h, k, d]
+  }
+  save_file(sd, tmp_path / "model.safetensors")
+  split = ucp_jax.rules.split
+  rs = RuleSet(
+    [
+      Rule(r"fc\.weight", "fc/kernel", [transpose()]),
+      Rule(r"q\.weight", "q/kernel", [transpose(), split(1, (heads, k))]),
+      Rule(r"o\.weight", "o/kernel", [transpose(), split(0, (heads, k))]),
+    ]
+  )
+  want = {
+    "fc": {"kernel": sd["fc.weight"].T},
+    "q": {"kernel": sd["q.weight"].T.reshape(d, heads, k)},
+    "o": {"kernel": sd["o.weight"].T.reshape(heads, k, d)},
+  }
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  specs = {"fc": P("data", "model"), "q": P("data", "model"), "o": P("model", None, "data")}
+  target = {
+    name: {
+      "kernel": jax.ShapeDtypeStruct(
+        want[name]["kernel"].shape, dtype, sharding=NamedSharding(mesh, specs[name])
+      )
+    }
+    for name in want
+  }
+  as_numpy = ucp_jax.restore(tmp_path, subtree="params", rules=rs)  # one region each, whole
+  for name in want:
+    _same_bits(as_numpy[name]["kernel"], want[name]["kernel"])
+  if dtype != "float64":  # (a float64 jax.Array needs x64)
+    restored = ucp_jax.restore(tmp_path, target, subtree="params", rules=rs)
+    for name in want:
+      got = restored[name]["kernel"]
+      assert got.sharding == target[name]["kernel"].sharding
+      _same_bits(np.asarray(got), want[name]["kernel"])
+  if dtype == "float64" and not jax.config.jax_enable_x64:
+    assert not copies  # TensorStore's copy: JAX would have narrowed the values
+  else:
+    assert any(copies)  # the strided pieces went through the tiled copy
+
+
+def test_rows_split_over_column_slices_are_read_in_place(tmp_path, monkeypatch):
+  """Whole rows read once, each row's bytes split over the devices' buffers by `preadv` (more
+  rows than one call takes, and reads that come back short): exact, nothing read twice."""
+  from ucp_jax.sources import _file_reads
+
+  monkeypatch.setattr(_file_reads, "_IOV_MAX", 64)  # 16 rows per call for 4 buffers
+  data = RNG.standard_normal((100, 64)).astype(np.float32)
+  save_file({"w": data}, tmp_path / "w.safetensors")
+  preadv, calls = os.preadv, []
+
+  def short(fd, buffers, at):  # the first buffer of a call half filled, then the call ends
+    calls.append(len(buffers))
+    if len(calls) % 3 == 0:
+      half = memoryview(buffers[0]).cast("B")[: len(memoryview(buffers[0]).cast("B")) // 2]
+      return preadv(fd, [half], at)
+    return preadv(fd, buffers, at)
+
+  monkeypatch.setattr(_file_reads.os, "preadv", short)
+  mesh = jax.make_mesh((2, 4), ("x", "y"))
+  sharding = NamedSharding(mesh, P("x", "y"))
+  target = {"w": jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding)}
+  restored = ucp_jax.restore(tmp_path / "w.safetensors", target, subtree="params")
+  np.testing.assert_array_equal(np.asarray(restored["w"]), data)
+  assert max(calls) == 64 and len(calls) > 4  # several calls per row block, some redone

@@ -27,9 +27,10 @@ import tensorstore as ts
 
 from ucp_jax.mapping import _plan
 from ucp_jax.mapping._transforms import Cast, Split, SubParam, Transpose
-from ucp_jax.store import _hostmem, _keypath
+from ucp_jax.store import _hostmem, _keypath, _threads
 from ucp_jax.store._checkpoint import Checkpoint
 from ucp_jax.store._manifest import ArrayInfo
+from ucp_jax.tree import _devices
 
 
 class MappedCheckpoint(Checkpoint):
@@ -91,11 +92,13 @@ class MappedCheckpoint(Checkpoint):
     its source region (`_source_region`); pieces that share their source rows read those
     rows once (`_row_blocks`), a block or two in flight at a time, each block laid out into
     its pieces' places in the regions' aligned buffers (transposed, reshaped) and freed:
-    host memory stays the array plus a few pieces. A plain rename of whole-row regions
-    reads straight into the buffers the devices adopt.
+    host memory stays the array plus a few pieces. A rename is the source's own read of
+    the regions (straight into the buffers the devices adopt).
     """
     rule = self._entries[key].rule
     (source,) = self.source_keys(key)
+    if not rule.transforms:  # a rename: the source reads the regions as they are
+      return self.base.start_read(source, regions)
     info = self.base[source]
     shapes = [tuple(info.shape)]
     for t in rule.transforms:
@@ -104,8 +107,6 @@ class MappedCheckpoint(Checkpoint):
     for i, region in enumerate(regions):
       pieces += _pieces(i, region, rule.transforms, shapes, np.dtype(info.dtype).itemsize)
     reads, uses = _row_blocks([p[2] for p in pieces], shapes[0])
-    if not rule.transforms and len(reads) == len(pieces) == len(regions):
-      return self.base.start_read(source, regions)
     dtype = np.dtype(self[key].dtype)
     outs = [_hostmem.fresh_empty(tuple(s.stop - s.start for s in r), dtype) for r in regions]
     users: list[list[int]] = [[] for _ in reads]
@@ -123,16 +124,13 @@ class MappedCheckpoint(Checkpoint):
         if k + 2 < len(batches):  # the next batch is read while this one is laid out
           pending.append(self.base.start_read(source, [reads[b] for b in batches[k + 2]]))
         wait()
-        writes = []  # TensorStore's copies: threaded, and fast through a transpose (numpy's not)
+        copies = []
         for host, block in zip(hosts, batch):
           for n in users[block]:
             i, place, _, steps = pieces[n]
-            view = ts.array(host, copy=False)[uses[n][1]].translate_to[0]
-            for step in steps:
-              view = step(view)
-            writes.append(ts.array(outs[i][place], copy=False, write=True).write(view))
-        for write in writes:
-          write.result()
+            copies.append(_lay_out(host[uses[n][1]], steps, outs[i][place]))
+        for copy in copies:
+          copy.result()
         hosts.clear()
 
     return outs, finish
@@ -233,9 +231,10 @@ _DIRECT = (Transpose, Split, SubParam, Cast)
 """The transforms whose target regions map back to source regions (plus a host-side step)."""
 
 
-def _source_region(transforms, shapes, region) -> tuple[tuple[slice, ...], list[Callable]]:
-  """The source region a target `region` reads, and the steps (on TensorStore views, from
-  the source block's to the target block's layout) that lay it out as the target's.
+def _source_region(transforms, shapes, region) -> tuple[tuple[slice, ...], list]:
+  """The source region a target `region` reads, and the steps (each with `view` on
+  TensorStore views and `forward` on numpy views, from the source block's layout to the
+  target block's) that lay it out as the target's.
 
   `shapes[i]` is the shape before transform i. A split's region reads its outer axis's rows
   whole in the inner axes (a head split: exactly the heads asked for), then slices.
@@ -249,7 +248,7 @@ def _source_region(transforms, shapes, region) -> tuple[tuple[slice, ...], list[
       for j, a in enumerate(axes):
         back[a] = region[j]
       region = tuple(back)
-      steps.append(Transpose(axes).view)
+      steps.append(Transpose(axes))
     elif isinstance(t, Split):
       axis, sizes = t._check(before)
       n = len(sizes)
@@ -262,15 +261,46 @@ def _source_region(transforms, shapes, region) -> tuple[tuple[slice, ...], list[
         *region[axis + n :],
       )
       block = Split(axis, (outer.stop - outer.start, *sizes[1:]))
-      index = (slice(None),) * (axis + 1) + cut
-      steps.append(lambda v, block=block, index=index: block.view(v)[index].translate_to[0])
+      steps.append(_Heads(block, (slice(None),) * (axis + 1) + cut))
     elif isinstance(t, SubParam):
       axis, start, _ = t.bounds(before)
       span = region[axis]
       region = (*region[:axis], slice(span.start + start, span.stop + start), *region[axis + 1 :])
     else:  # Cast
-      steps.append(t.view)
+      steps.append(t)
   return region, steps[::-1]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Heads:
+  """A split block's heads asked for: `block` splits the axis, `index` keeps those heads."""
+
+  block: Split
+  index: tuple
+
+  def view(self, store: ts.TensorStore) -> ts.TensorStore:
+    return self.block.view(store)[self.index].translate_to[0]
+
+  def forward(self, x: np.ndarray) -> np.ndarray:
+    return self.block.forward(x)[self.index]
+
+
+def _lay_out(block: np.ndarray, steps: list, out: np.ndarray):
+  """Starts laying `block` (a view of a read buffer) out into `out` through `steps`.
+
+  Without a cast the steps are strides on a numpy view, copied by `_devices.dense_copy`
+  (a tiled transposition) on the I/O pool; a cast goes through TensorStore's copy. Returns a
+  future.
+  """
+  if all(isinstance(s, (Transpose, _Heads)) for s in steps) and _devices.dense_copies(block.dtype):
+    view = block
+    for step in steps:
+      view = step.forward(view)
+    return _threads.submit(_devices.dense_copy, view, out)
+  view = ts.array(block, copy=False).translate_to[0]
+  for step in steps:
+    view = step.view(view)
+  return ts.array(out, copy=False, write=True).write(view)
 
 
 def _apply(store: ts.TensorStore, transforms) -> ts.TensorStore:

@@ -74,10 +74,14 @@ def _read_run(outs: list[np.ndarray], path: str, at: int, identity) -> None:
 
 
 def _read_shared(outs, path, offset, shape, dtype, block: Region, regions, identity) -> None:
-  """Reads `block` (rows, and a column span with whole trailing dims) once; copies out `regions`
+  """Reads `block` (rows, and a column span with whole trailing dims) once into `regions`
   (a region that is not one run: the array has at least two dimensions)."""
-  rows = _hostmem.aligned_empty(tuple(s.stop - s.start for s in block), dtype)  # pooled: warm
   row = math.prod(shape[1:]) * dtype.itemsize
+  order = _tiling(block, regions, shape)
+  if order is not None:  # each row lands in the regions' buffers, side by side
+    _scatter_rows(path, offset + block[0].start * row, [outs[i] for i in order], identity)
+    return
+  rows = _hostmem.aligned_empty(tuple(s.stop - s.start for s in block), dtype)  # pooled: warm
   if _contiguous(block, shape):
     _pread(path, offset + block[0].start * row, rows, identity)
   else:  # each row's span of columns is one run
@@ -87,6 +91,45 @@ def _read_shared(outs, path, offset, shape, dtype, block: Region, regions, ident
   origin = tuple(s.start for s in block)
   for region, out in zip(regions, outs):
     out[...] = rows[tuple(slice(s.start - o, s.stop - o) for s, o in zip(region, origin))]
+
+
+def _tiling(block: Region, regions: list[Region], shape: tuple[int, ...]) -> list[int] | None:
+  """The regions in column order when, side by side, they are exactly the whole rows of
+  `block` (a model axis over the columns, whole trailing dims); else None."""
+  if not _contiguous(block, shape) or any(not _contiguous(r[1:], shape[1:]) for r in regions):
+    return None
+  order = sorted(range(len(regions)), key=lambda i: regions[i][1].start)
+  edge = 0
+  for i in order:
+    if regions[i][1].start != edge:
+      return None
+    edge = regions[i][1].stop
+  return order if edge == shape[1] else None
+
+
+_IOV_MAX = 1024
+"""The most buffers one `preadv` takes (Linux's IOV_MAX)."""
+
+
+def _scatter_rows(path: str, at: int, outs: list[np.ndarray], identity) -> None:
+  """Reads whole rows from byte `at`, each row's bytes split over `outs` (the same rows, their
+  columns side by side) with `preadv`: no staging buffer, no copy."""
+  rows = [out.reshape(out.shape[0], -1).view(np.uint8) for out in outs]
+  per_call = max(1, _IOV_MAX // len(rows))
+  fd = open_unchanged(path, identity)
+  try:
+    for first in range(0, rows[0].shape[0], per_call):
+      last = min(first + per_call, rows[0].shape[0])
+      buffers = [r[i] for i in range(first, last) for r in rows]
+      want = sum(r.shape[1] for r in rows) * (last - first)
+      if os.preadv(fd, buffers, at) != want:  # short: page by page, as the run loop reads
+        for buffer in buffers:
+          pread_into(fd, path, at, buffer, "a tensor")
+          at += buffer.nbytes
+        continue
+      at += want
+  finally:
+    os.close(fd)
 
 
 def _pread(path: str, start: int, out: np.ndarray, identity=()) -> None:
