@@ -704,3 +704,43 @@ def test_rows_split_over_column_slices_are_read_in_place(tmp_path, monkeypatch):
   restored = ucp_jax.restore(tmp_path / "w.safetensors", target, subtree="params")
   np.testing.assert_array_equal(np.asarray(restored["w"]), data)
   assert max(calls) == 64 and len(calls) > 4  # several calls per row block, some redone
+
+
+@pytest.mark.parametrize("spec", [P("data", None, "model"), P(None, "model", "data")])
+def test_stacked_layers_are_read_directly_and_laid_out_exactly(tmp_path, monkeypatch, spec):
+  """Per-layer torch weights stacked into one `[layers, in, out]` kernel (a scanned model, the
+  experts of a layer): each device reads its layers' slices straight from the files, laid
+  out as numpy's stack of transposes; the same through a ucp_jax checkpoint's chunk files."""
+  from ucp_jax.mapping import _mapped
+
+  monkeypatch.setattr(_mapped, "PIECE_BYTES", 64 << 10)
+  direct, layers = [], 4
+  start_read = _mapped.MappedCheckpoint.start_read
+
+  def recorded(self, key, regions):
+    direct.append(key)
+    return start_read(self, key, regions)
+
+  monkeypatch.setattr(_mapped.MappedCheckpoint, "start_read", recorded)
+  sd = {f"layers.{i}.fc.weight": _random("bfloat16", (384, 256)) for i in range(layers)}
+  save_file(sd, tmp_path / "model.safetensors")
+  rs = RuleSet(
+    [Rule(r"layers\.(\d+)\.fc\.weight", "layers/fc/kernel", [transpose(), ucp_jax.rules.stack(0)])]
+  )
+  want = np.stack([sd[f"layers.{i}.fc.weight"].T for i in range(layers)])
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  target = {
+    "layers": {
+      "fc": {
+        "kernel": jax.ShapeDtypeStruct(want.shape, "bfloat16", sharding=NamedSharding(mesh, spec))
+      }
+    }
+  }
+  got = ucp_jax.restore(tmp_path, target, subtree="params", rules=rs)
+  _same_bits(np.asarray(got["layers"]["fc"]["kernel"]), want)
+  assert direct == ["params/layers/fc/kernel"]
+  # the same from a ucp_jax checkpoint of the torch names (chunk files read directly)
+  ucp_jax.save(tmp_path / "c", {"params": {k: np.asarray(v) for k, v in sd.items()}})
+  again = ucp_jax.restore(tmp_path / "c", target, subtree="params", rules=rs)
+  _same_bits(np.asarray(again["layers"]["fc"]["kernel"]), want)
+  assert direct == ["params/layers/fc/kernel"] * 2

@@ -78,57 +78,65 @@ class MappedCheckpoint(Checkpoint):
     return _after_all(futures, build)
 
   def reads_directly(self, key: str) -> bool:
-    """Whether `start_read` reads `key`: its source is read directly, its rule maps regions."""
-    entry = self._entries[key]
-    rule = entry.rule
-    if rule.stack is not None or not all(isinstance(t, _DIRECT) for t in rule.transforms):
+    """Whether `start_read` reads `key`: its sources are read directly and its rule maps
+    regions (a stack only as its last step)."""
+    rule = self._entries[key].rule
+    if rule.after_stack or not all(isinstance(t, _DIRECT) for t in rule.before_stack):
       return False
     return all(self.base.reads_directly(s) for s in self.source_keys(key))
 
   def start_read(self, key: str, regions: list) -> tuple[list[np.ndarray], Any]:
     """Starts reading `regions` of the target `key` (`reads_directly` keys).
 
-    Each region is cut into pieces of at most `PIECE_BYTES` of source, each mapped back to
-    its source region (`_source_region`); pieces that share their source rows read those
-    rows once (`_row_blocks`), a block or two in flight at a time, each block laid out into
-    its pieces' places in the regions' aligned buffers (transposed, reshaped) and freed:
-    host memory stays the array plus a few pieces. A rename is the source's own read of
-    the regions (straight into the buffers the devices adopt).
+    Each region (of a stack: each of its layers) is cut into pieces of at most
+    `PIECE_BYTES` of source, each mapped back to its source region (`_source_region`);
+    pieces that share their source rows read those rows once (`_row_blocks`), a block or
+    two in flight at a time, each block laid out into its pieces' places in the regions'
+    aligned buffers (transposed, reshaped) and freed: host memory stays the array plus a
+    few pieces. A rename is the source's own read of the regions (straight into the
+    buffers the devices adopt).
     """
     rule = self._entries[key].rule
-    (source,) = self.source_keys(key)
-    if not rule.transforms:  # a rename: the source reads the regions as they are
-      return self.base.start_read(source, regions)
-    info = self.base[source]
+    sources = self.source_keys(key)
+    if rule.stack is None and not rule.transforms:  # a rename: read as the source reads
+      return self.base.start_read(sources[0], regions)
+    info = self.base[sources[0]]
+    itemsize = np.dtype(info.dtype).itemsize
     shapes = [tuple(info.shape)]
-    for t in rule.transforms:
+    for t in rule.before_stack:
       shapes.append(t.shape(shapes[-1], np.dtype(info.dtype))[0])
-    pieces = []  # (region number, index in its buffer, source region, layout steps)
-    for i, region in enumerate(regions):
-      pieces += _pieces(i, region, rule.transforms, shapes, np.dtype(info.dtype).itemsize)
-    reads, uses = _row_blocks([p[2] for p in pieces], shapes[0])
     dtype = np.dtype(self[key].dtype)
     outs = [_hostmem.fresh_empty(tuple(s.stop - s.start for s in r), dtype) for r in regions]
-    users: list[list[int]] = [[] for _ in reads]
-    for n, (block, _) in enumerate(uses):
-      users[block].append(n)
-    batches = _batches(reads, np.dtype(info.dtype).itemsize)  # one call each: chunks read once
-    pending = deque(
-      self.base.start_read(source, [reads[b] for b in batches[k]])
-      for k in range(min(2, len(batches)))
-    )
+    pieces: dict[str, list] = {}  # source -> [(where in a buffer, source region, steps)]
+    for region, out in zip(regions, outs):
+      for source, part, dst in _layers(rule, sources, region, out):
+        for place, read, steps in _pieces(part, rule.before_stack, shapes, itemsize):
+          pieces.setdefault(source, []).append((dst[place], read, steps))
+    plan = []  # (source, its reads in one call, per read: [(index there, steps, buffer)])
+    for source, parts in pieces.items():
+      reads, uses = _row_blocks([p[1] for p in parts], shapes[0])
+      users: list[list] = [[] for _ in reads]
+      for (dst, _, steps), (block, index) in zip(parts, uses):
+        users[block].append((index, steps, dst))
+      for batch in _batches(reads, itemsize):  # one call each: chunks read once
+        plan.append((source, [reads[b] for b in batch], [users[b] for b in batch]))
+
+    def start(k: int):
+      return self.base.start_read(plan[k][0], plan[k][1])
+
+    pending = deque(start(k) for k in range(min(2, len(plan))))
 
     def finish() -> None:
-      for k, batch in enumerate(batches):
+      for k, (_, _, block_users) in enumerate(plan):
         hosts, wait = pending.popleft()
-        if k + 2 < len(batches):  # the next batch is read while this one is laid out
-          pending.append(self.base.start_read(source, [reads[b] for b in batches[k + 2]]))
+        if k + 2 < len(plan):  # the next batch is read while this one is laid out
+          pending.append(start(k + 2))
         wait()
-        copies = []
-        for host, block in zip(hosts, batch):
-          for n in users[block]:
-            i, place, _, steps = pieces[n]
-            copies.append(_lay_out(host[uses[n][1]], steps, outs[i][place]))
+        copies = [
+          _lay_out(host[index], steps, dst)
+          for host, users in zip(hosts, block_users)
+          for index, steps, dst in users
+        ]
         for copy in copies:
           copy.result()
         hosts.clear()
@@ -151,16 +159,29 @@ PIECE_BYTES = 32 << 20
 """The most source bytes one piece of a region reads (a block of rows at most twice that)."""
 
 
-def _pieces(i: int, region: tuple, transforms, shapes, itemsize: int) -> list[tuple]:
-  """Region `i` cut along the axis that its source's rows follow, into pieces of at most
-  `PIECE_BYTES` of source: (i, index in the region's buffer, source region, steps)."""
+def _layers(rule, sources: tuple[str, ...], region: tuple, out: np.ndarray):
+  """(source key, region of its layer's array, the buffer it fills) for each layer under
+  `region`: the region and its buffer themselves where the rule does not stack."""
+  if rule.stack is None:
+    yield sources[0], region, out
+    return
+  axis = rule.stack.axis
+  layers = region[axis]
+  for layer in range(layers.start, layers.stop):
+    at = (slice(None),) * axis + (layer - layers.start,)
+    yield sources[layer], (*region[:axis], *region[axis + 1 :]), out[at]
+
+
+def _pieces(region: tuple, transforms, shapes, itemsize: int) -> list[tuple]:
+  """`region` cut along the axis that its source's rows follow, into pieces of at most
+  `PIECE_BYTES` of source: (index in the region's buffer, source region, steps)."""
   source, steps = _source_region(transforms, shapes, region)
   extent = [s.stop - s.start for s in source]
   count = -(-int(np.prod(extent, dtype=np.int64)) * itemsize // PIECE_BYTES)
   whole = tuple(slice(None) for _ in region)
   axis = _rows_axis(region, transforms, shapes, extent) if count > 1 else None
   if axis is None:
-    return [(i, whole, source, steps)]
+    return [(whole, source, steps)]
   span = region[axis]
   cuts = np.linspace(span.start, span.stop, min(count, span.stop - span.start) + 1).astype(int)
   out = []
@@ -168,7 +189,7 @@ def _pieces(i: int, region: tuple, transforms, shapes, itemsize: int) -> list[tu
     if b > a:
       part = (*region[:axis], slice(int(a), int(b)), *region[axis + 1 :])
       place = (*whole[:axis], slice(int(a - span.start), int(b - span.start)))
-      out.append((i, place, *_source_region(transforms, shapes, part)))
+      out.append((place, *_source_region(transforms, shapes, part)))
   return out
 
 
