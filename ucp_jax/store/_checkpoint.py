@@ -131,6 +131,18 @@ class Checkpoint(abc.ABC):
       CorruptCheckpointError: a chunk fails its checksum or is missing.
       ConcurrentWriteError: another save replaced the checkpoint during the read.
     """
+    info = self[key]
+    if index == () and info.shape and math.prod(info.shape) and self.reads_directly(key):
+      # the whole array, as a restore reads it: straight from the files into one buffer
+      _untrusted.check_allocation(
+        math.prod(info.shape) * np.dtype(info.dtype).itemsize, f"{self.location}: reading `{key}`"
+      )
+      try:
+        (out,), wait = self.start_read(key, [tuple(slice(0, n) for n in info.shape)])
+        wait()
+      except _errors.CorruptCheckpointError as e:
+        raise if_replaced(self, e) from e
+      return out
     store = self.tensorstore(key)
     try:
       view = store[index] if index != () else store
