@@ -162,7 +162,7 @@ def test_a_dead_but_unreaped_holder_does_not_block(tmp_path):
   path = str(tmp_path / "ckpt")
   holder = _lock_holder(tmp_path, _HOLD.format(path=path, after="import os; os._exit(0)"))
   assert holder.stdout.readline().strip() == "locked"
-  deadline = 100
+  deadline = 1200  # a watchdog: 60 s for the holder to exit
   while deadline and _commit._proc_stat(holder.pid)[0:1] != ["Z"]:  # exited, not reaped
     threading.Event().wait(0.05)
     deadline -= 1
@@ -365,9 +365,11 @@ def test_ctrl_c_stops_a_wait_on_a_store():
   server, spec = _silent_endpoint()
   with server:
     proc = _ucp(["inspect", spec], UCP_STORE_TIMEOUT_S="600")
-    threading.Event().wait(3)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=30)
+    server.settimeout(300)  # a watchdog only: the command connects once it has started
+    connection, _ = server.accept()  # it waits on the store now
+    with connection:
+      proc.send_signal(signal.SIGINT)
+      _, err = proc.communicate(timeout=60)
   assert proc.returncode == 130, err
   assert "Traceback" not in err
 
