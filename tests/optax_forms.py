@@ -12,6 +12,7 @@ hyperparameters for them are given per torch group.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -234,6 +235,35 @@ class EmaOptimizer(nnx.Optimizer):
     nnx.update(self.ema, new)
 
 
+_TX: dict[tuple[int, bool], tuple[Form, Any]] = {}
+
+
+def _shared_tx(form: Form, linen: bool, make: Callable[[], Any]) -> Any:
+  """One optimizer per form and framework, made by its first run. A jitted step's cache is
+  keyed by the state's static parts (`tx`, `apply_fn`): runs that share them compile a
+  program once, not once per run. (A form is keyed by identity; `_TX` keeps it alive.)"""
+  key = (id(form), linen)
+  if key not in _TX:
+    _TX[key] = (form, make())
+  return _TX[key][1]
+
+
+@functools.cache
+def _nnx_step(trainable_only: bool):
+  """The jitted NNX step: `wrt` the trainable parameters (`gate` left out) or every Param."""
+  wrt = TRAINABLE if trainable_only else nnx.Param
+
+  @nnx.jit
+  def step(model, opt, ids, targets):
+    loss, grads = nnx.value_and_grad(lambda m: _ce(m(ids), targets), argnums=nnx.DiffState(0, wrt))(
+      model
+    )
+    opt.update(model, grads)
+    return loss
+
+  return step
+
+
 class NNXRun:
   """An NNX model and `nnx.Optimizer` in `form`, on `mesh`, from init seed `seed`."""
 
@@ -246,20 +276,10 @@ class NNXRun:
     self.model.scale[...] = jnp.asarray(SCALE)
     nnx.update(self.model, shard(nnx.state(self.model), mesh))
     self.wrt = TRAINABLE if form.wrt else nnx.Param
-    tx = form.tx(False, nnx.state(self.model, self.wrt))
+    tx = _shared_tx(form, False, lambda: form.tx(False, nnx.state(self.model, self.wrt)))
     kind = EmaOptimizer if form.ema_tree else nnx.Optimizer
     self.opt = kind(self.model, tx, wrt=self.wrt)
-    wrt = self.wrt
-
-    @nnx.jit
-    def step(model, opt, ids, targets):
-      loss, grads = nnx.value_and_grad(
-        lambda m: _ce(m(ids), targets), argnums=nnx.DiffState(0, wrt)
-      )(model)
-      opt.update(model, grads)
-      return loss
-
-    self._step = step
+    self._step = _nnx_step(form.wrt)
 
   def step(self, ids, targets) -> float:
     return float(self._step(self.model, self.opt, jnp.asarray(ids), jnp.asarray(targets)))
@@ -337,6 +357,19 @@ def _frozen_by_label(tx):
   )
 
 
+@functools.cache
+def _linen_module() -> LinenTiny:
+  return LinenTiny(scale=jnp.asarray(SCALE))
+
+
+@jax.jit
+def _linen_step(state, ids, targets):
+  loss, grads = jax.value_and_grad(lambda p: _ce(state.apply_fn({"params": p}, ids), targets))(
+    state.params
+  )
+  return state.apply_gradients(grads=grads), loss
+
+
 class LinenRun:
   """A Linen `TrainState` in `form`, on `mesh`, from init seed `seed`."""
 
@@ -344,25 +377,21 @@ class LinenRun:
 
   def __init__(self, form: Form, mesh, seed: int = 0):
     self.form, self.mesh = form, mesh
-    self.module = LinenTiny(scale=jnp.asarray(SCALE))
+    self.module = _linen_module()
     ids = jnp.zeros((1, mk.SEQ), jnp.int32)
     params = dict(self.module.init(jax.random.key(seed), ids)["params"])
     params["gate"] = GATE
     params = shard(jax.tree.map(jnp.asarray, params), mesh)
-    tx = form.tx(True, params)
-    tx = _frozen_by_label(tx) if form.wrt else tx
+
+    def make_tx():
+      tx = form.tx(True, params)
+      return _frozen_by_label(tx) if form.wrt else tx
+
+    tx = _shared_tx(form, True, make_tx)
     kind = EmaTrainState if form.ema_tree else train_state.TrainState
     extra = {"ema_params": jax.tree.map(jnp.copy, params)} if form.ema_tree else {}
     self.state = kind.create(apply_fn=self.module.apply, params=params, tx=tx, **extra)
-
-    @jax.jit
-    def step(state, ids, targets):
-      loss, grads = jax.value_and_grad(lambda p: _ce(state.apply_fn({"params": p}, ids), targets))(
-        state.params
-      )
-      return state.apply_gradients(grads=grads), loss
-
-    self._step = step
+    self._step = _linen_step
 
   def step(self, ids, targets) -> float:
     self.state, loss = self._step(self.state, jnp.asarray(ids), jnp.asarray(targets))
