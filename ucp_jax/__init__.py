@@ -9,6 +9,7 @@ from ucp_jax import _startup  # noqa: F401  (first: Ctrl-C while the `ucp` comma
 from ucp_jax._errors import ArrayNotFoundError as ArrayNotFoundError
 from ucp_jax._errors import CheckpointExistsError as CheckpointExistsError
 from ucp_jax._errors import CheckpointNotFoundError as CheckpointNotFoundError
+from ucp_jax._errors import CommitUncertainError as CommitUncertainError
 from ucp_jax._errors import ConcurrentWriteError as ConcurrentWriteError
 from ucp_jax._errors import CorruptCheckpointError as CorruptCheckpointError
 from ucp_jax._errors import DtypeMismatchError as DtypeMismatchError
@@ -104,6 +105,7 @@ __all__ = [
   "ShardingError",
   "SourceFormatError",
   "StorageError",
+  "CommitUncertainError",
   "TreeMismatchError",
   "UcpError",
   "UnsafePickleError",

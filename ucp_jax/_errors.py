@@ -94,6 +94,11 @@ class StorageError(UcpError, OSError):
   """The storage refused a read or write: disk full, permission denied, unreachable, ..."""
 
 
+class CommitUncertainError(StorageError):
+  """A save's commit got no answer, nor did the read that would tell whether it landed: the
+  path holds one whole checkpoint, the one before or the new one (`open` tells which)."""
+
+
 def bullet_list(lines: list[str], limit: int = 50) -> str:
   """Formats offending items one per line, eliding past `limit` so messages stay readable."""
   shown = [f"  {line}" for line in lines[:limit]]

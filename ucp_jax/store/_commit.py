@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import re
 import socket
@@ -169,11 +170,14 @@ class Lock:
   def _acquire_kvstore(self) -> None:
     store = _location.kvstore(self._target)
     current = store.read(_LOCK_KEY).result()
-    if current.state == "value" and not _dead_holder(current.value.decode(errors="replace")):
+    if current.state == "value" and not _stale_object_lock(current.value.decode(errors="replace")):
       raise _errors.ConcurrentWriteError(self._busy_message(current.value.decode(errors="replace")))
+    # conditional, so that of two writers only one wins; read back, since a write whose
+    # answer was lost is retried and then fails its condition although it was applied
     store.write(_LOCK_KEY, self._holder.encode(), if_equal=current.stamp.generation).result()
     if store.read(_LOCK_KEY).result().value.decode(errors="replace") != self._holder:
       raise _errors.ConcurrentWriteError(self._busy_message("another writer"))
+    _HELD.add(f"{self._token:016x}")
 
   def _busy_message(self, holder: str) -> str:
     where = self._path or f"{self._target}/{_LOCK_KEY}"
@@ -185,7 +189,9 @@ class Lock:
 
   def release(self) -> None:
     if self._path is None:
-      _location.kvstore(self._target).write(_LOCK_KEY, None).result()
+      _HELD.discard(f"{self._token:016x}")  # from now on a lock object left is stale
+      store = _location.kvstore(self._target)
+      tidy(self._target, "releasing the lock", lambda: store.write(_LOCK_KEY, None).result())
       return
     if self._fd is not None:
       fd, self._fd = self._fd, None
@@ -284,9 +290,14 @@ def _generation_range():
 def commit(
   staging: _location.Location, target: _location.Location, manifest: bytes, *, durable: bool = True
 ) -> None:
-  """Writes the manifest and makes the checkpoint visible at `target` in one step."""
+  """Writes the manifest and makes the checkpoint visible at `target` in one step.
+
+  Raises:
+    CommitUncertainError: on an object store, the manifest's write failed and reading it
+      back failed too, so whether it landed is not known (its answer may have been lost).
+  """
   if staging.local_dir is None:
-    _location.kvstore(target, durable).write(_manifest.MANIFEST_KEY, manifest).result()
+    _commit_object(target, manifest, durable)
     return
   path = os.path.join(staging.local_dir, _manifest.MANIFEST_KEY)
   with open(path, "wb") as f:
@@ -299,16 +310,69 @@ def commit(
   _swap.swap_into_place(staging.local_dir, target.local_dir, durable=durable)
 
 
+def _commit_object(target: _location.Location, manifest: bytes, durable: bool) -> None:
+  """The commit on an object store: one PUT of the manifest. A PUT that fails may have been
+  applied all the same (its answer lost after the store took it), so the outcome is read back:
+  the save failed only if the manifest there is not this one."""
+  store = _location.kvstore(target, durable)
+  try:
+    store.write(_manifest.MANIFEST_KEY, manifest).result()
+  except _errors.StorageError as failed:
+    try:
+      found = store.read(_manifest.MANIFEST_KEY).result()
+    except _errors.StorageError as e:
+      raise _errors.CommitUncertainError(
+        f"{target}: the commit (writing {_manifest.MANIFEST_KEY}) failed ({_why(failed)}) and "
+        f"reading it back failed too ({_why(e)}): the checkpoint there is whole, the one "
+        "before or this save's; open it to see which step it holds. Nothing was deleted."
+      ) from failed
+    if found.state == "value" and found.value == manifest:
+      return  # it landed: only its answer was lost
+    raise
+
+
+def _why(error: BaseException) -> str:
+  """What went wrong, without the location `error`'s message starts with."""
+  return str(error).split(": ", 1)[-1].rstrip(".")
+
+
+def after_remote_commit(
+  target: _location.Location, new: str, old: _manifest.Manifest | bool | None
+) -> None:
+  """Deletes, after a commit on an object store, what the checkpoint it replaced held. The
+  commit is done: a deletion that fails leaves garbage for the next save, and a warning."""
+  tidy(target, "deleting the replaced checkpoint's data", remove_replaced, target, new, old)
+
+
+def tidy(target: _location.Location, what: str, fn, *args) -> None:
+  """`fn(*args)`, a clean-up that may fail without harm: its failure is logged, not raised
+  (what it would have deleted is collected by the next save to `target`)."""
+  try:
+    fn(*args)
+  except Exception as e:  # an interrupt still propagates
+    error = _location.storage_error(e, target, what)
+    _LOG.warning("%s (left for the next save to collect)", error)
+
+
+_LOG = logging.getLogger("ucp_jax")
+
+
 def abort(staging: _location.Location, target: _location.Location) -> None:
   """Removes what a save wrote before it failed (and puts back, on a local file system, an
-  old checkpoint that a swap which could not be undone left aside)."""
+  old checkpoint that a swap which could not be undone left aside). On an object store a
+  deletion that fails leaves garbage for the next save's collector, and a warning."""
   if staging.local_dir is not None:
     if staging != target:
       _swap.drop_staging(staging.local_dir, target.local_dir)
     return
   if staging.url != target.url:
     prefix = staging.url[len(target.url) :]
-    _location.kvstore(target).delete_range(_location.prefix_range(prefix)).result()
+    store = _location.kvstore(target)
+    tidy(
+      target,
+      "removing this save's data",
+      lambda: store.delete_range(_location.prefix_range(prefix)).result(),
+    )
 
 
 def make_dirs(path: str, durable: bool = True) -> None:
@@ -342,6 +406,24 @@ def _live_unflocked_holder(text: str) -> bool:
   except ValueError:
     return False
   return isinstance(holder, dict) and not holder.get("flock") and not _dead_holder(text)
+
+
+_HELD: set[str] = set()  # the tokens of the object-store locks this process holds
+
+
+def _stale_object_lock(text: str) -> bool:
+  """A lock object whose holder is gone: a dead process of this host, or this very process
+  when it holds no lock of that token (its release failed, and the object stayed)."""
+  if _dead_holder(text):
+    return True
+  try:
+    holder = json.loads(text)
+    mine = holder.get("host") == socket.gethostname() and int(holder.get("pid", -1)) == os.getpid()
+  except (ValueError, TypeError, AttributeError):
+    return False
+  return (
+    mine and holder.get("start") == _start_time(os.getpid()) and holder.get("token") not in _HELD
+  )
 
 
 def _dead_holder(text: str) -> bool:

@@ -24,8 +24,10 @@ from ucp_jax.store import _untrusted
 
 _URL_SCHEMES = ("file://", "memory://", "gs://", "s3://", "gcs://")
 
-REQUEST_RETRIES = {"max_retries": 4, "initial_delay": "0.5s", "max_delay": "4s"}
-"""Retries of one request to an object store (TensorStore's default is 32, over minutes)."""
+REQUEST_RETRIES = {"max_retries": 4, "initial_delay": "0.25s", "max_delay": "2s"}
+"""Retries of one request to an object store (TensorStore's default is 32, over minutes): on
+429, 5xx, resets and stalls, with exponential backoff. A kvstore spec's own `context`
+(`s3_request_retries`, `gcs_request_retries`) overrides them."""
 
 # One context for the whole process: `memory://` checkpoints live as long as it does,
 # and every open shares its cache and concurrency limits. Files written through it are
@@ -261,7 +263,8 @@ def storage_error(error: BaseException, where: object, what: str, then: str = ""
 
 def error_text(error: BaseException) -> str:
   """A TensorStore error as one readable line: the spec and source locations it appends cut."""
-  text = str(error).splitlines()[0] if str(error) else type(error).__name__
+  text = re.sub(r" \[(http_response_body|x-amzn?-[a-z-]+)='.*?'\]", "", str(error), flags=re.S)
+  text = text.splitlines()[0] if text else type(error).__name__
   return re.sub(r" \[(tensorstore_spec|source locations)=.*$", "", text)
 
 
@@ -277,11 +280,17 @@ def kvstore(location: Location, durable: bool = True) -> KvStore:
 
 
 TIMEOUT_S = float(os.environ.get("UCP_STORE_TIMEOUT_S", "120"))
-"""How long one request to a remote store may go unanswered (env `UCP_STORE_TIMEOUT_S`)."""
+"""How long one request to a remote store may go unanswered, its retries included (env
+`UCP_STORE_TIMEOUT_S`)."""
 
-# A transfer that stalls (no byte for 30 s) fails and is retried instead of hanging for
-# the TCP timeout; TensorStore's own knobs, set here only where the user has not set them.
-os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", "30")
+# TensorStore sets no deadline on its HTTP requests: a transfer that stalls would hang for
+# the TCP timeout. Its curl low-speed watchdog fails an attempt that moves no byte for a
+# share of the timeout, so that the attempts (and their backoff) fit in about TIMEOUT_S;
+# read once, when TensorStore first makes a request. Set only where the user has not.
+os.environ.setdefault(
+  "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS",
+  str(max(1, int(TIMEOUT_S // (REQUEST_RETRIES["max_retries"] + 1)))),
+)
 os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ucp_jax import _errors
 from ucp_jax.store import _chunks, _location, _zarr
 
 if TYPE_CHECKING:
@@ -35,6 +36,8 @@ def verify(ckpt: Checkpoint, on_array: Callable[[str, int], None] | None = None)
         kvstores[data.url] = _location.kvstore(data)
       problem = _check_array(ckpt, kvstores[data.url], key)
     except Exception as e:  # report every bad key, not just the first
+      if isinstance(e, _errors.StorageError) and ckpt.location.local_dir is None:
+        raise  # an object store that does not answer says nothing of the data: no verdict
       problem = _location.error_text(e).removeprefix(f"{ckpt.location}: `{key}`: ")
       problem = problem.removeprefix("cannot read stored data: ")
     if problem:

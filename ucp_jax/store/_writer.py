@@ -322,9 +322,15 @@ class Writer:
     )
     if self._durable and self.staging.local_dir is not None:
       _folders.fsync(_folders.array_dirs(self.staging.local_dir, self._arrays))
-    _commit.commit(self.staging, self.target, manifest.to_bytes(), durable=self._durable)
+    try:
+      _commit.commit(self.staging, self.target, manifest.to_bytes(), durable=self._durable)
+    except BaseException:
+      if self.staging.local_dir is None:  # a manifest PUT may land after it failed: its data
+        self.staging = None  # stays for the next save's collector, which keeps what is live
+      raise
+    self.staging = None  # committed: what follows may fail, and leave garbage, nothing else
     if self.target.local_dir is None:
-      _commit.remove_replaced(self.target, self._data, self._replaced)
+      _commit.after_remote_commit(self.target, self._data, self._replaced)
       _sealed.collect_after_commit(self.target, self._pool, self._replaced)
 
   def __exit__(self, exc_type, exc, tb) -> None:
@@ -333,7 +339,9 @@ class Writer:
         self._wait_inflight()  # no chunk may land in the staging folder after it is gone
       if exc_type is not None and self._primary and self.staging is not None:
         if self._pool is not None:
-          _pool.abort(self._pool, self.token)
+          _commit.tidy(
+            self.target, "removing this save's data", _pool.abort, self._pool, self.token
+          )
         else:
           _commit.abort(self.staging, self.target)  # puts back an old checkpoint left aside
     finally:

@@ -7,6 +7,7 @@ crc32c-checked chunks and optional zstd compression.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -163,7 +164,33 @@ def _fill_value(dtype: np.dtype):
 
 
 def create_array(spec: dict, durable: bool = True) -> ts.Future:
-  return ts.open(spec, context=context(durable))
+  """Creates the array of `spec` (from `array_spec`) in a save's fresh staging location.
+
+  On an object store the create is a conditional write of `zarr.json`: when its answer is
+  lost, the retry finds the file it wrote and fails with ALREADY_EXISTS. The prefix is this
+  save's own, so the array is then opened instead, its metadata checked against the spec.
+  """
+  created = ts.open(spec, context=context(durable))
+  if spec["kvstore"].get("driver") == "file":
+    return created
+  promise, future = ts.Promise.new()
+
+  def done(f: ts.Future) -> None:
+    try:
+      promise.set_result(f.result())
+    except ValueError as e:
+      if not str(e).startswith("ALREADY_EXISTS"):
+        promise.set_exception(e)
+        return
+      again = {k: v for k, v in spec.items() if k not in ("create", "delete_existing")}
+      ts.open({**again, "open": True}, context=context(durable)).add_done_callback(
+        lambda g: _settle(promise, g)
+      )
+    except BaseException as e:
+      promise.set_exception(e)
+
+  created.add_done_callback(done)
+  return future
 
 
 def open_array(location: Location, key: str, durable: bool = True) -> ts.Future:
@@ -263,4 +290,12 @@ def _wait(location: Location, key: str, future: ts.Future, what: str) -> Any:
       text = text.replace(location.io_dir, location.local_dir)
     if text.startswith(f"{location}"):  # one of ours, raised in a chunk read
       raise _errors.CorruptCheckpointError(text) from e
+    if _UNREACHABLE.match(text):  # the store did not answer, or refused: nothing is damaged
+      raise _errors.StorageError(f"{location}: `{key}`: {what}: {text}") from e
     raise _errors.CorruptCheckpointError(f"{location}: `{key}`: {what}: {text}") from e
+
+
+_UNREACHABLE = re.compile(
+  r"^(ABORTED|UNAVAILABLE|DEADLINE_EXCEEDED|CANCELLED|PERMISSION_DENIED|UNAUTHENTICATED|"
+  r"RESOURCE_EXHAUSTED): "
+)
