@@ -198,10 +198,17 @@ def test_object_store_lock_of_a_dead_process_is_taken_over():
   holder = {"host": socket.gethostname(), "pid": int(dead.stdout), "token": "x", "flock": True}
   store.write(".ucp-lock", json.dumps(holder).encode()).result()
   ucp_jax.save(url, {"a": np.ones(2)})
-  alive = {**holder, "pid": os.getpid(), "start": _commit._start_time(os.getpid())}
-  store.write(".ucp-lock", json.dumps(alive).encode()).result()
-  with pytest.raises(ucp_jax.ConcurrentWriteError, match="another save to this path"):
-    ucp_jax.save(url, {"a": np.zeros(2)}, overwrite=True)
+  with subprocess.Popen(["sleep", "60"]) as live:  # another process of this host, running
+    alive = {**holder, "pid": live.pid, "start": _commit._start_time(live.pid)}
+    store.write(".ucp-lock", json.dumps(alive).encode()).result()
+    with pytest.raises(ucp_jax.ConcurrentWriteError, match="another save to this path"):
+      ucp_jax.save(url, {"a": np.zeros(2)}, overwrite=True)
+    live.kill()
+  # this very process, under a token it does not hold: a lock whose release failed
+  mine = {**holder, "pid": os.getpid(), "start": _commit._start_time(os.getpid())}
+  store.write(".ucp-lock", json.dumps(mine).encode()).result()
+  ucp_jax.save(url, {"a": np.full(2, 3.0)}, overwrite=True)
+  assert ucp_jax.restore(url)["a"].tolist() == [3.0, 3.0]
 
 
 # --- readers and writers at once ---

@@ -37,7 +37,7 @@ def check_destination(
       (empty: it is an earlier export).
     what: the export's name for messages ("a DeepSpeed export").
   """
-  path = os.fspath(dst)
+  path = _location.named(dst)
   if "://" in path:
     raise _errors.InvalidArgumentError(f"{path}: {what} is written to a local directory")
   path = os.path.abspath(path)

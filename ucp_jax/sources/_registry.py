@@ -17,7 +17,7 @@ from typing import Protocol
 from ucp_jax import _errors
 from ucp_jax.sources import _files
 from ucp_jax.sources._source_plan import Plan
-from ucp_jax.store import _plugins
+from ucp_jax.store import _location, _plugins
 
 
 class Source(Protocol):
@@ -82,7 +82,7 @@ def get(name: str) -> Source:
 def sniff(path: str | os.PathLike) -> Source | None:
   """The first source that recognizes `path`, else the first that weakly does, or None."""
   with _files.session():
-    return _sniff(path)
+    return _sniff(_location.named(path))
 
 
 def _sniff(path: str | os.PathLike) -> Source | None:
@@ -105,7 +105,7 @@ def find(path: str | os.PathLike, name: str | None = None) -> Source:
   """
   if name is not None:
     return get(name)
-  text = os.fspath(path)
+  text = _location.named(path)  # a kvstore spec: the URL that names it
   if "://" not in text and not os.path.exists(text):
     raise _errors.SourceFormatError(f"{text}: no such file or directory")
   source = sniff(text)
@@ -130,8 +130,9 @@ def find(path: str | os.PathLike, name: str | None = None) -> Source:
 
 def describe(path: str | os.PathLike, name: str | None = None, **options) -> Plan:
   """The plan of `path`, read by its source (`name`'s, or the one that recognizes it)."""
+  path = _location.named(path)
   with _files.session():  # a URL's prefixes listed once for sniffing and describing
-    plan = find(path, name).describe(os.fspath(path), **options)
+    plan = find(path, name).describe(path, **options)
     if "://" in plan.path:  # object stores list no sizes: the bytes its readers saw
       plan = dataclasses.replace(plan, source_bytes=_files.seen_bytes(plan.path))
     return plan

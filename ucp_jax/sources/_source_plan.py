@@ -81,8 +81,14 @@ def lazy_store(
 
   global _CELL_CONTEXT
   if _CELL_CONTEXT is None:  # devices whose slices share a cell read it once (it is cached)
+    # `read` blocks the thread TensorStore calls it on: its own executor, so that a cell
+    # waiting on an object store's answer never holds a thread that the answer needs
     _CELL_CONTEXT = ts.Context(
-      {"cache_pool": {"total_bytes_limit": CELL_CACHE_BYTES}}, parent=_location.CONTEXT
+      {
+        "cache_pool": {"total_bytes_limit": CELL_CACHE_BYTES},
+        "data_copy_concurrency": {"limit": CELL_READS},
+      },
+      parent=_location.CONTEXT,
     )
   layout = ts.ChunkLayout(read_chunk_shape=[max(1, c) for c in cells]) if shape else None
   return ts.virtual_chunked(
@@ -142,6 +148,8 @@ def lazy_tensor(
   return Tensor(shape, dtype, whole, where, store=store)
 
 
+CELL_READS = 16
+"""Cells of lazy source arrays read at once (each may wait on an object store)."""
 CELL_CACHE_BYTES = 64 << 20
 """Memory the cells of lazy source arrays may hold at once, so that the devices of a restore
 whose slices share a cell read it once (each array opened anew: none sees an older file's)."""

@@ -179,6 +179,9 @@ def resolve(path: str | os.PathLike | dict | Location) -> Location:
     scheme, _, rest = text.partition("://")
     if not rest.strip("/") and scheme != "memory":
       raise ValueError(f"{text}: the URL names no bucket or path")
+    known = _named_location(text) if _NAMED else None
+    if known is not None:
+      return known
     return Location(f"{scheme}://{rest.rstrip('/')}/" if rest.strip("/") else "memory://")
   elif "://" in text:
     raise ValueError(f"{text}: unsupported URL scheme; use a local path or one of {_URL_SCHEMES}")
@@ -200,7 +203,40 @@ def _spec_location(spec: dict | str) -> Location:
     name = f"{spec['driver']}://{parsed.to_json().get('bucket', '')}/{spec['path']}"
   if not name.endswith("/"):
     name += "/"
-  return Location(name, spec=json.dumps(spec, sort_keys=True))
+  text = json.dumps(spec, sort_keys=True)
+  if len(_NAMED) >= 256:
+    _NAMED.pop(next(iter(_NAMED)))
+  _NAMED.pop(name, None)
+  _NAMED[name] = text
+  return Location(name, spec=text)
+
+
+_NAMED: dict[str, str] = {}
+"""The URL that names each kvstore spec this process was given -> the spec: readers of other
+formats pass URLs around (`s3://bucket/hf/config.json`), and one in the same bucket as a
+spec's reaches the spec's endpoint, region and credentials."""
+
+
+def named(path):
+  """`path` as a string: the URL that names it when it is a kvstore spec (a dict or its JSON
+  text), which `resolve` maps back to the spec (and the URLs below it); else as it is."""
+  if isinstance(path, dict) or (isinstance(path, str) and path.lstrip().startswith("{")):
+    return str(_spec_location(path))
+  return os.fspath(path)
+
+
+def _named_location(url: str) -> Location | None:
+  """The location of `url` when it lies in the bucket of a spec this process was given (the
+  newest such spec): that spec with `url`'s path."""
+  scheme, _, rest = url.partition("://")
+  bucket, _, path = rest.partition("/")
+  for name in reversed(_NAMED):
+    if name.startswith(f"{scheme}://{bucket}/"):
+      spec = json.loads(_NAMED[name])
+      path = path.strip("/")
+      spec["path"] = path + "/" if path else ""
+      return Location(f"{scheme}://{bucket}/{spec['path']}", spec=json.dumps(spec, sort_keys=True))
+  return None
 
 
 _STAGING = ".ucp-tmp-"  # a save to DIR/NAME stages in DIR/.NAME.ucp-tmp-TOKEN
