@@ -11,7 +11,9 @@ one of:
 - `truncate`: forwards and sends the answer's headers with only half of its body, then
   resets (a body cut half way);
 - `stall-body`: forwards and sends the headers and half of the body, then holds the rest
-  (a body that stops half way, the connection left open).
+  (a body that stops half way, the connection left open);
+- `kill` / `kill-after`: SIGKILLs the process `pid` before forwarding the request, or after
+  it was applied (then the request is not answered).
 
 Kinds, from the key a request names: `lock` (`.ucp-lock`), `manifest` (`manifest.json`),
 `metadata` (`zarr.json`), `list` (a bucket listing), `delete` (DELETE and batch deletes),
@@ -51,7 +53,10 @@ class Rule:
   count: int | None = None  # at most this many hits; None: no limit
   status: int = 503
   seconds: float | None = None  # a stall's length; None: until the proxy closes
+  after: int = 0  # let this many matching requests through first
+  pid: int | None = None  # the process `kill` kills
   hits: int = 0
+  passed: int = 0
 
   def matches(self, kind: str, method: str) -> bool:
     return (self.kind in ("any", kind)) and (self.method in (None, method))
@@ -137,6 +142,9 @@ class FaultProxy:
       for rule in self.rules:
         if not rule.matches(kind, method) or (rule.count is not None and rule.hits >= rule.count):
           continue
+        if rule.passed < rule.after:
+          rule.passed += 1
+          continue
         if self._random.random() < rule.rate:
           rule.hits += 1
           return rule
@@ -172,6 +180,10 @@ class FaultProxy:
         if rule is not None and rule.action == "reset":
           _reset(conn)
           return
+        if rule is not None and rule.action == "kill":
+          _kill(rule.pid)
+          _reset(conn)
+          return
         if rule is not None and rule.action == "stall":
           self._closed.wait(rule.seconds)
           _reset(conn)
@@ -179,7 +191,9 @@ class FaultProxy:
         upstream.request(method, target, body=body, headers=headers)
         response = upstream.getresponse()
         payload = response.read()
-        if rule is not None and rule.action == "lost":
+        if rule is not None and rule.action in ("lost", "kill-after"):
+          if rule.action == "kill-after":
+            _kill(rule.pid)
           _reset(conn)
           return
         head = [f"HTTP/1.1 {response.status} {response.reason}"]
@@ -229,6 +243,14 @@ def _answer(conn: socket.socket, status: int, body: bytes) -> None:
     f"Content-Length: {len(body)}\r\n\r\n"
   )
   conn.sendall(head.encode() + body)
+
+
+def _kill(pid: int | None) -> None:
+  import signal
+
+  if pid is not None:
+    with contextlib.suppress(ProcessLookupError):
+      os.kill(pid, signal.SIGKILL)
 
 
 def _reset(conn: socket.socket) -> None:

@@ -277,3 +277,127 @@ def test_ctrl_c_stops_a_command_waiting_on_a_stalled_store(s3, saved, command):
     _, err = proc.communicate(timeout=60)
   assert proc.returncode == 130, err
   assert "Traceback" not in err
+
+
+KILLS = [  # kind, method, after (matching requests let through first), action
+  ("lock", "PUT", 0, "kill-after"),
+  ("metadata", "PUT", 2, "kill"),
+  ("chunk", "PUT", 0, "kill"),
+  ("chunk", "PUT", 1, "kill-after"),
+  ("manifest", "PUT", 0, "kill"),
+  ("manifest", "PUT", 0, "kill-after"),
+  ("delete", "DELETE", 0, "kill"),  # after the commit, deleting the replaced generation
+  ("delete", "DELETE", 2, "kill-after"),
+]
+
+
+@pytest.mark.parametrize(("kind", "method", "after", "action"), KILLS)
+def test_a_save_killed_at_any_request_loses_nothing(s3, kind, method, after, action):
+  """SIGKILL as the store sees a request (before it is applied, or after): the checkpoint
+  there is the old one or the new one, whole, and the next save collects what was left."""
+  import subprocess
+  import sys
+
+  worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "commit_fault_worker.py")
+  spec = _spec(s3, s3.bucket())
+  env = {**os.environ, **s3_faults.ENV, "JAX_PLATFORMS": "cpu"}
+
+  args = [sys.executable, worker, json.dumps(spec)]
+
+  def save(value):
+    proc = subprocess.run([*args, str(value), "none"], env=env, capture_output=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+  save(1)
+  with subprocess.Popen([*args, "2", "none"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+    rule = s3_faults.Rule(action, kind=kind, method=method, after=after, count=1, pid=proc.pid)
+    with s3.proxy.faults(rule):
+      proc.communicate(timeout=120)
+  assert rule.hits, "the kill never struck"
+  assert proc.returncode == -9
+  value = _worker_value(spec)
+  assert value in (1.0, 2.0)
+  if kind == "delete":
+    assert value == 2.0  # killed after its commit
+  save(3)
+  assert _worker_value(spec) == 3.0
+  live = ucp_jax.open(spec).manifest.data
+  assert {k.split("/")[1] + "/" for k in s3.keys(spec["bucket"]) if "/g" in k} == {live}
+
+
+def _worker_value(spec) -> float:
+  """The one value every array of commit_fault_worker's checkpoint holds (whole, uniform)."""
+  ckpt = ucp_jax.open(spec)
+  assert ckpt.verify() == {}
+  out = ucp_jax.restore(spec)
+  values = {float(v) for leaf in (out["a"], out["b"]["c"]) for v in np.unique(leaf)}
+  assert len(values) == 1, values
+  return values.pop()
+
+
+def _chained(root: dict, step: int) -> dict:
+  return {**root, "path": f"{root['path']}/{step}"}
+
+
+@pytest.mark.parametrize("fault", ["slowdown", "lost", "resets"])
+@pytest.mark.parametrize("kind", ["chunk:PUT", "manifest:PUT", "delete:DELETE", "list:GET", "chunk:GET"])
+def test_incremental_steps_on_s3_under_a_fault_lose_nothing(s3, kind, fault):
+  """save(base=...) into the pool beside the steps (its references, its collector): under a
+  fault each step commits whole or fails in one line; every committed step restores alone."""
+  import jax.numpy as jnp
+
+  frozen = {f"w{i}": jnp.full((64, 64), float(i)) for i in range(3)}
+  root = {**_spec(s3, s3.bucket()), "path": "run"}
+
+  def state(step):
+    return {"frozen": frozen, "adapter": jnp.full((8,), float(step))}
+
+  def holds(step):
+    spec = _chained(root, step)
+    assert ucp_jax.open(spec).verify() == {}
+    out = ucp_jax.restore(spec)
+    assert all(np.all(out["frozen"][k] == np.asarray(v)) for k, v in frozen.items())
+    return float(out["adapter"][0])
+
+  ucp_jax.save(_chained(root, 1), state(1))
+  ucp_jax.save(_chained(root, 2), state(2), base=_chained(root, 1))
+  method_kind, method = kind.split(":")
+  rule = s3_faults.Rule(kind=method_kind, method=method, **FAULTS[fault])
+  committed = [1, 2]
+  with s3.proxy.faults(rule):
+    try:
+      ucp_jax.save(_chained(root, 3), state(3), base=_chained(root, 2))
+      committed.append(3)
+    except ucp_jax.UcpError as e:
+      assert "\n" not in str(e) and str(e).startswith("s3://"), str(e)
+  assert rule.hits, "the fault never struck"
+  for step in committed:
+    assert holds(step) == step
+  base = committed[-1]
+  ucp_jax.save(_chained(root, 4), state(4), base=_chained(root, base))  # collects after it
+  for step in (*committed, 4):
+    assert holds(step) == step
+
+
+def test_save_async_and_a_resharded_restore_on_s3(s3):
+  import jax
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  spec = _spec(s3, s3.bucket())
+  mesh8 = jax.make_mesh((8,), ("d",))
+  w = np.arange(256 * 64, dtype=np.float32).reshape(256, 64)
+  state = {"w": jax.device_put(w, NamedSharding(mesh8, P("d"))), "step": 3}
+  pending = ucp_jax.save_async(spec, state, step=3)
+  pending.result()
+  mesh = jax.make_mesh((2, 4), ("a", "b"))
+  target = {"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=NamedSharding(mesh, P("b", "a"))), "step": 0}
+  out = ucp_jax.restore(spec, target)
+  np.testing.assert_array_equal(np.asarray(out["w"]), w)
+  assert out["w"].sharding == target["w"].sharding and out["step"] == 3
+  with s3.proxy.faults(s3_faults.Rule("status", kind="manifest", method="PUT")):
+    pending = ucp_jax.save_async(spec, {**state, "step": 4}, step=4, overwrite=True)
+    with pytest.raises(ucp_jax.StorageError, match=r"^s3://.*manifest\.json"):
+      pending.result()
+  assert ucp_jax.open(spec).step == 3
+  np.testing.assert_array_equal(ucp_jax.restore(spec)["w"], w)

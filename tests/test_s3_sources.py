@@ -119,7 +119,7 @@ def test_ucp_inspect_convert_and_verify_take_a_spec(s3, tmp_path):
   ucp = [sys.executable, "-m", "ucp_jax._cli"]
   run = lambda *args: subprocess.run(
     [*ucp, *args], env=env, capture_output=True, text=True, timeout=300
-  )  # noqa: E731
+  )
   shown = run("inspect", json.dumps(spec))
   assert shown.returncode == 0 and "format: hf, read in place" in shown.stdout, shown.stderr
   dst = json.dumps({**spec, "path": "universal"})
