@@ -117,9 +117,10 @@ def test_ucp_inspect_convert_and_verify_take_a_spec(s3, tmp_path):
   spec = _upload(s3, _hf(tmp_path))
   env = {**os.environ, **s3_faults.ENV}
   ucp = [sys.executable, "-m", "ucp_jax._cli"]
-  run = lambda *args: subprocess.run(
-    [*ucp, *args], env=env, capture_output=True, text=True, timeout=300
-  )
+
+  def run(*args):
+    return subprocess.run([*ucp, *args], env=env, capture_output=True, text=True, timeout=300)
+
   shown = run("inspect", json.dumps(spec))
   assert shown.returncode == 0 and "format: hf, read in place" in shown.stdout, shown.stderr
   dst = json.dumps({**spec, "path": "universal"})
