@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import http.client
+import itertools
 import json
 import os
 import random
@@ -39,6 +40,8 @@ _SLOWDOWN = (
   b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
   b"<Message>Please reduce your request rate.</Message></Error>"
 )
+
+_BUCKETS = itertools.count()
 
 ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
 """The credentials the server accepts (any would do); TensorStore reads them from the env."""
@@ -273,12 +276,11 @@ class S3:
     self.server.start()
     self.server_port = self.server._server.server_port
     self.proxy = FaultProxy(("127.0.0.1", self.server_port), seed)
-    self._buckets = 0
 
   def bucket(self) -> str:
     """A new, empty bucket."""
-    self._buckets += 1
-    name = f"ucp-{os.getpid()}-{self._buckets}"
+    # moto's state is per process, not per server: names unique across servers too
+    name = f"ucp-{os.getpid()}-{next(_BUCKETS)}"
     conn = http.client.HTTPConnection("127.0.0.1", self.server_port, timeout=30)
     conn.request("PUT", f"/{name}")
     assert conn.getresponse().status == 200

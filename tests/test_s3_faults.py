@@ -67,7 +67,6 @@ KINDS = [  # kind:method (the lock is deleted by a DELETE, which is of kind `del
   "manifest:GET",
   "manifest:PUT",
   "metadata:PUT",
-  "metadata:GET",
   "chunk:PUT",
   "list:GET",
   "delete:DELETE",
@@ -77,7 +76,7 @@ FAULTS = {
   "reset": dict(action="reset", count=1),
   "resets": dict(action="reset"),
   "lost": dict(action="lost", count=1),
-  "lost-half": dict(action="lost", rate=0.5),
+  "lost-twice": dict(action="lost", count=2),
   "lost-all": dict(action="lost"),
   "truncate": dict(action="truncate", count=1),
 }
@@ -309,7 +308,9 @@ def test_a_save_killed_at_any_request_loses_nothing(s3, kind, method, after, act
     assert proc.returncode == 0, proc.stderr
 
   save(1)
-  with subprocess.Popen([*args, "2", "none"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+  with subprocess.Popen(
+    [*args, "2", "none"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+  ) as proc:
     rule = s3_faults.Rule(action, kind=kind, method=method, after=after, count=1, pid=proc.pid)
     with s3.proxy.faults(rule):
       proc.communicate(timeout=120)
@@ -340,7 +341,9 @@ def _chained(root: dict, step: int) -> dict:
 
 
 @pytest.mark.parametrize("fault", ["slowdown", "lost", "resets"])
-@pytest.mark.parametrize("kind", ["chunk:PUT", "manifest:PUT", "delete:DELETE", "list:GET", "chunk:GET"])
+@pytest.mark.parametrize(
+  "kind", ["chunk:PUT", "manifest:PUT", "delete:DELETE", "list:GET", "chunk:GET"]
+)
 def test_incremental_steps_on_s3_under_a_fault_lose_nothing(s3, kind, fault):
   """save(base=...) into the pool beside the steps (its references, its collector): under a
   fault each step commits whole or fails in one line; every committed step restores alone."""
@@ -391,7 +394,10 @@ def test_save_async_and_a_resharded_restore_on_s3(s3):
   pending = ucp_jax.save_async(spec, state, step=3)
   pending.result()
   mesh = jax.make_mesh((2, 4), ("a", "b"))
-  target = {"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=NamedSharding(mesh, P("b", "a"))), "step": 0}
+  target = {
+    "w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=NamedSharding(mesh, P("b", "a"))),
+    "step": 0,
+  }
   out = ucp_jax.restore(spec, target)
   np.testing.assert_array_equal(np.asarray(out["w"]), w)
   assert out["w"].sharding == target["w"].sharding and out["step"] == 3

@@ -32,18 +32,9 @@ def create_arrays(
     appended to `started`, which an abort waits for); nobody reads those files before the
     commit, which waits for them.
   """
-  specs = {
-    key: _zarr.array_spec(
-      staging,
-      key,
-      shape=info.shape,
-      dtype=np.dtype(info.dtype),
-      chunks=info.chunks,
-      compression=compression,
-      bundle=info.bundle,
-    )
-    for key, info in arrays.items()
-  }
+  specs = _specs(staging, arrays, compression)
+  if staging.local_dir is None:
+    return _create_on_object_store(staging, target, specs, durable, started)
   known = {k: _zarr.known_metadata(spec) for k, spec in specs.items() if k in direct}
   futures = {
     key: _zarr.create_array(spec, durable) for key, spec in specs.items() if known.get(key) is None
@@ -63,3 +54,49 @@ def create_arrays(
     with open(os.path.join(root, key, "zarr.json"), "rb") as f:
       _zarr.learn_metadata(specs[key], f.read())
   return stores, writes
+
+
+def _create_on_object_store(
+  staging: _location.Location, target: _location.Location, specs: dict, durable: bool, started
+) -> tuple[dict[str, Any], list]:
+  """Each array's `zarr.json` one unconditional PUT (its retry after a lost answer changes
+  nothing, where TensorStore's create is a conditional write that then fails), and the
+  arrays opened on the metadata their specs say, without a request."""
+  store = _location.kvstore(staging, durable)
+  writes = [
+    store.write(f"{key}/zarr.json", _zarr.metadata_json(spec)) for key, spec in specs.items()
+  ]
+  started.extend(writes)
+  futures = {key: _zarr.open_assumed(spec, durable) for key, spec in specs.items()}
+  _folders.write_groups(staging, list(specs), durable)
+  _location.kvstore(target, durable).write("zarr.json", _folders.group_json(True)).result()
+  return {key: f.result() for key, f in futures.items()}, writes
+
+
+def open_created(
+  staging: _location.Location,
+  arrays: dict[str, _manifest.ArrayInfo],
+  *,
+  compression: str | None,
+  durable: bool,
+) -> dict[str, Any]:
+  """The arrays process 0 created on an object store, opened for writing by another process
+  on the metadata it knows (no request: their `zarr.json` writes may still be in flight)."""
+  specs = _specs(staging, arrays, compression)
+  futures = {key: _zarr.open_assumed(spec, durable) for key, spec in specs.items()}
+  return {key: f.result() for key, f in futures.items()}
+
+
+def _specs(staging: _location.Location, arrays: dict[str, _manifest.ArrayInfo], compression):
+  return {
+    key: _zarr.array_spec(
+      staging,
+      key,
+      shape=info.shape,
+      dtype=np.dtype(info.dtype),
+      chunks=info.chunks,
+      compression=compression,
+      bundle=info.bundle,
+    )
+    for key, info in arrays.items()
+  }

@@ -141,6 +141,11 @@ class Writer:
       arrays = {key: info for key, info in arrays.items() if key not in self._reused}
     if self._primary:
       self.together("creating the arrays", self._create, arrays, compression)
+    elif self.staging.local_dir is None:
+      self.together("creating the arrays", lambda: None)
+      self._stores = _creation.open_created(
+        self.staging, arrays, compression=compression, durable=self._durable
+      )
     else:
       self.together("creating the arrays", lambda: None)
       futures = {
