@@ -4,7 +4,7 @@
 The server runs in its own process (`python -m moto.server`) on 127.0.0.1; the state is
 `--arrays` float32 arrays, `--size-mb` MiB in all, on 8 CPU devices sharded P('x', None).
 Interleaved rounds of:
-  ucp_save      ucp_jax.save(spec, state, overwrite=True)
+  ucp_save      ucp_jax.save(spec, state) to a new path each round (a training loop's steps)
   put_bound     the same bytes PUT through a TensorStore kvstore, in objects of the sizes
                 the save wrote, all in flight at once (what the server takes, no layout)
   ucp_restore   ucp_jax.restore(spec, target) onto a 2 x 4 mesh, P('y', 'x'): resharded
@@ -108,11 +108,15 @@ def main() -> int:
     bound_kv = ts.KvStore.open({**spec, "path": "bound/"}, context=_location.CONTEXT).result()
     blobs = {k: np.random.default_rng(1).bytes(n) for k, n in sizes.items()}
 
-    def ucp_save():
-      ucp_jax.save(spec, state, overwrite=True)
+    rounds = iter(range(1, 10**6))
+    puts = iter(range(1, 10**6))
+
+    def ucp_save():  # a new step's path, as a training loop saves: nothing replaced
+      ucp_jax.save({**spec, "path": f"ckpt{next(rounds)}"}, state)
 
     def put_bound():
-      for f in [bound_kv.write(k, v) for k, v in blobs.items()]:
+      n = next(puts)
+      for f in [bound_kv.write(f"{n}/{k}", v) for k, v in blobs.items()]:
         f.result()
 
     def ucp_restore():
@@ -149,7 +153,9 @@ def main() -> int:
     print(f"{'contender':<14}{'median s':>10}{'range':>18}{'GB/s':>8}")
     for name, ts_ in times.items():
       med = statistics.median(ts_)
-      print(f"{name:<14}{med:>10.3f}{f'{min(ts_):.3f}-{max(ts_):.3f}':>18}{nbytes / med / 1e9:>8.2f}")
+      print(
+        f"{name:<14}{med:>10.3f}{f'{min(ts_):.3f}-{max(ts_):.3f}':>18}{nbytes / med / 1e9:>8.2f}"
+      )
     for ours, bound in (("ucp_save", "put_bound"), ("ucp_restore", "get_bound")):
       ratio = statistics.median(times[ours]) / statistics.median(times[bound])
       print(f"{ours} / {bound}: {ratio:.2f}x")

@@ -257,3 +257,12 @@ def test_native_log_lines_are_kept_out_of_a_logged_command():
     [sys.executable, "-c", code], capture_output=True, env={**os.environ, "UCP_NATIVE_LOGS": "1"}
   )
   assert b"google_auth_provider.cc:188]" in kept.stderr
+
+
+def test_version_names_the_package(capsys):
+  from ucp_jax import _cli
+
+  with pytest.raises(SystemExit) as exit_info:
+    _cli.main(["--version"])
+  assert exit_info.value.code == 0
+  assert capsys.readouterr().out.startswith("ucp_jax ")

@@ -27,6 +27,15 @@ def _positive(text: str) -> int:
   return value
 
 
+def _version() -> str:
+  from importlib import metadata
+
+  try:
+    return metadata.version("ucp_jax")
+  except metadata.PackageNotFoundError:  # run from a source tree that was not installed
+    return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
   """The `ucp` argument parser: one subparser per command."""
   parser = argparse.ArgumentParser(
@@ -35,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     epilog="exit status: 0 done; 1 verify found bad arrays (or the demo's runs diverged); "
     "2 bad input or a failed command; 130 interrupted; diff: 1 when the checkpoints differ",
   )
+  parser.add_argument("--version", action="version", version=f"ucp_jax {_version()}")
   sub = parser.add_subparsers(dest="command", required=True)
   _add_inspect_and_verify(sub)
   _add_convert(sub)

@@ -61,7 +61,7 @@ def check_options(
 ) -> None:
   """Raises for a bad option or a destination in the way (see `export`)."""
   problems = [
-    f"{name}={value!r}: True or False" + (" (or None: as the checkpoint records)" if none else "")
+    f"{name}={value!r}: true or false" + (" (or None: as the checkpoint records)" if none else "")
     for name, value, none in (("nnx", nnx, True), ("ocdbt", ocdbt, False), ("zarr3", zarr3, False))
     if not (isinstance(value, bool) or (none and value is None))
   ]
