@@ -80,6 +80,14 @@ def test_a_flax_checkpoint_against_the_torch_folder_it_came_from(tmp_path):
   report = ucp_jax.diff(tmp_path / "flax", src, rules=rules)
   assert report.identical, report.verdict()
   assert report.arrays and not report.only_a
+  # the DeepSpeed side's Adam moments and step lie outside the parameters: said, not hidden
+  assert any(k.startswith("exp_avg/") for k in report.not_compared)
+  assert report.verdict().endswith(
+    "outside the parameters not compared (optimizer slots, "
+    "step, buffers: compare those without rules)"
+  )
+  unmapped = ucp_jax.diff(tmp_path / "flax", src)
+  assert not unmapped.arrays and "compare through a rule set (--rules hf" in unmapped.verdict()
 
 
 def test_the_command_line(tmp_path, capsys):

@@ -62,6 +62,9 @@ class DiffReport:
   arrays: tuple[ArrayDiff, ...]
   atol: float
   rtol: float
+  not_compared: tuple[str, ...] = ()
+  """Keys a rule set left out (on either side: optimizer slots, the step, buffers)."""
+  hint: str = ""
 
   @property
   def differing(self) -> tuple[ArrayDiff, ...]:
@@ -77,7 +80,21 @@ class DiffReport:
     return not (self.only_a or self.only_b or self.differing)
 
   def verdict(self) -> str:
-    """One line: identical, equal within the tolerance, or what differs."""
+    """One line: identical, equal within the tolerance, or what differs; and what was not
+    compared, or a hint when nothing could be."""
+    return self._outcome() + self._left_out()
+
+  def _left_out(self) -> str:
+    if self.hint:
+      return f"; {self.hint}"
+    if not self.not_compared:
+      return ""
+    return (
+      f"; {len(self.not_compared)} arrays outside the parameters not compared (optimizer "
+      "slots, step, buffers: compare those without rules)"
+    )
+
+  def _outcome(self) -> str:
     n = len(self.arrays)
     if self.identical:
       return f"identical: {n} arrays"
@@ -141,13 +158,23 @@ def diff(
   rules = _rule_specs.parse(rules, ckpt_b, flax_side=ckpt_a)
   keys_a = ckpt_a.keys()
   of_b = {k: k for k in ckpt_b.keys()}  # a's key -> b's key for the same array
+  left_out: list[str] = []
   if rules is not None:
     prefix_a = _params_prefix(ckpt_a) if subtree is None else subtree.strip("/")
     prefix_b = _params_prefix(ckpt_b)  # where b's parameters live (`params` when converted)
+    left_out = [k for k in ckpt_b.keys() if prefix_b and not k.startswith(prefix_b + "/")]
     ckpt_b = rules.view(ckpt_b, subtree=prefix_b, partial=True)
+    left_out += [k for k in keys_a if prefix_a and not k.startswith(prefix_a + "/")]
     keys_a = [k for k in keys_a if not prefix_a or k.startswith(prefix_a + "/")]
     of_b = {_under(prefix_a, _below(prefix_b, k)): k for k in ckpt_b.keys()}
   common = [k for k in keys_a if k in of_b]
+  hint = ""
+  if rules is None and not common and keys_a and of_b:
+    hint = (
+      "no key in common: if one side has torch names (`h.0.attn.c_attn.weight`) and the other "
+      "Flax keys, compare through a rule set (--rules hf, --rules gpt2:num_heads=N; "
+      "docs/mapping.md)"
+    )
   total = sum(ckpt_a[k].nbytes for k in common)
   arrays = []
   for key in common:
@@ -163,6 +190,8 @@ def diff(
     arrays=tuple(arrays),
     atol=atol,
     rtol=rtol,
+    not_compared=tuple(left_out),
+    hint=hint,
   )
 
 
