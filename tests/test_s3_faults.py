@@ -76,7 +76,6 @@ FAULTS = {
   "reset": dict(action="reset", count=1),
   "resets": dict(action="reset"),
   "lost": dict(action="lost", count=1),
-  "lost-twice": dict(action="lost", count=2),
   "lost-all": dict(action="lost"),
   "truncate": dict(action="truncate", count=1),
 }
@@ -204,7 +203,6 @@ STALLS = [  # op, kind, method
   ("restore", "chunk", "GET"),
   ("read", "chunk", "GET"),
   ("verify", "chunk", "GET"),
-  ("restore", "metadata", "GET"),
   ("restore", "manifest", "GET"),
   ("save", "chunk", "PUT"),
   ("save", "manifest", "PUT"),
