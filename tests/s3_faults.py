@@ -326,3 +326,20 @@ class S3:
   def close(self) -> None:
     self.proxy.close()
     self.server.stop()
+
+
+@contextlib.contextmanager
+def running(seed: int = 0) -> Iterator[S3]:
+  """An `S3` server and proxy, with `ENV`'s credentials set for TensorStore while it runs."""
+  saved = {k: os.environ.get(k) for k in ENV}
+  os.environ.update(ENV)
+  server = S3(seed)
+  try:
+    yield server
+  finally:
+    server.close()
+    for k, v in saved.items():
+      if v is None:
+        os.environ.pop(k, None)
+      else:
+        os.environ[k] = v

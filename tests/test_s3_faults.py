@@ -24,16 +24,8 @@ RETRIES = {"s3_request_retries": {"max_retries": 3, "initial_delay": "5ms", "max
 
 @pytest.fixture(scope="module")
 def s3():
-  saved = {k: os.environ.get(k) for k in s3_faults.ENV}
-  os.environ.update(s3_faults.ENV)
-  server = s3_faults.S3(seed=7)
-  yield server
-  server.close()
-  for k, v in saved.items():
-    if v is None:
-      os.environ.pop(k, None)
-    else:
-      os.environ[k] = v
+  with s3_faults.running(seed=7) as server:
+    yield server
 
 
 def _spec(s3, bucket):

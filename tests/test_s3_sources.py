@@ -21,16 +21,8 @@ FIXTURES = Path(__file__).parent / "fixtures"
 
 @pytest.fixture(scope="module")
 def s3():
-  saved = {k: os.environ.get(k) for k in s3_faults.ENV}
-  os.environ.update(s3_faults.ENV)
-  server = s3_faults.S3(seed=3)
-  yield server
-  server.close()
-  for k, v in saved.items():
-    if v is None:
-      os.environ.pop(k, None)
-    else:
-      os.environ[k] = v
+  with s3_faults.running(seed=3) as server:
+    yield server
 
 
 def _hf(tmp: Path) -> Path:
