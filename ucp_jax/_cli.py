@@ -6,6 +6,7 @@ The subcommands themselves are in `_cli_commands`; progress output is `_progress
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from rich.console import Console
@@ -181,5 +182,17 @@ def _message(error: BaseException) -> str:
   )
 
 
+def run() -> None:
+  """The `ucp` script: `main`, then exit. After Ctrl-C the process ends at once: a thread of
+  the I/O pools may still wait on a store that does not answer, and the interpreter's exit
+  would join it first."""
+  code = main()
+  if code == 130:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130)
+  sys.exit(code)
+
+
 if __name__ == "__main__":
-  sys.exit(main())
+  run()
