@@ -13,6 +13,7 @@ import threading
 import numpy as np
 import pytest
 import s3_faults
+from test_commit import _value_of  # the one value of commit_fault_worker's state
 
 import ucp_jax
 
@@ -306,24 +307,14 @@ def test_a_save_killed_at_any_request_loses_nothing(s3, kind, method, after, act
       proc.communicate(timeout=120)
   assert rule.hits, "the kill never struck"
   assert proc.returncode == -9
-  value = _worker_value(spec)
+  value = _value_of(spec)
   assert value in (1.0, 2.0)
   if kind == "delete":
     assert value == 2.0  # killed after its commit
   save(3)
-  assert _worker_value(spec) == 3.0
+  assert _value_of(spec) == 3.0
   live = ucp_jax.open(spec).manifest.data
   assert {k.split("/")[1] + "/" for k in s3.keys(spec["bucket"]) if "/g" in k} == {live}
-
-
-def _worker_value(spec) -> float:
-  """The one value every array of commit_fault_worker's checkpoint holds (whole, uniform)."""
-  ckpt = ucp_jax.open(spec)
-  assert ckpt.verify() == {}
-  out = ucp_jax.restore(spec)
-  values = {float(v) for leaf in (out["a"], out["b"]["c"]) for v in np.unique(leaf)}
-  assert len(values) == 1, values
-  return values.pop()
 
 
 def _chained(root: dict, step: int) -> dict:
