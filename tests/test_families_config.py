@@ -144,3 +144,9 @@ def test_the_rule_sets_of_each_family():
   assert list(olmo2) == ["layers/0/attn/q_norm/scale"]
   pythia = rules.from_hf(NEOX)[0].map_names(["gpt_neox.final_layer_norm.bias", "lm_head.weight"])
   assert sorted(pythia) == ["lm_head/kernel", "norm/bias"]
+
+
+def test_the_configs_name_the_activations_the_models_run():
+  from ucp_jax.models import _common, _configs
+
+  assert tuple(_common.ACTIVATIONS) == _configs.ACTIVATION_NAMES

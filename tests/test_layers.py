@@ -150,3 +150,60 @@ def test_the_converters_and_the_cli_start_without_jax():
   )
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
   assert out.stdout.strip() == "[]"
+
+
+_COMMANDS_OF_FILES = r"""
+import json, sys
+from ucp_jax import _cli
+
+heavy = ("jax", "flax", "optax", "orbax")
+for argv in json.loads(sys.argv[1]):
+  status = _cli.main(argv)
+  loaded = [m for m in heavy if m in sys.modules]
+  print(json.dumps({"argv": argv, "status": status, "loaded": loaded}), flush=True)
+"""
+
+
+def test_no_command_of_files_imports_jax(tmp_path):
+  """convert, inspect, verify, diff and export of files never place an array on a device, so
+  they never import JAX (2 s of CPU, more than a small checkpoint's whole convert): the
+  Flax-named checkpoint's export and diff, mapped back by a rule set, neither."""
+  import json
+
+  import optax
+  import pytest
+  from flax import nnx
+
+  pytest.importorskip("torch")
+  import ucp_jax
+  from ucp_jax.models import gpt
+
+  fixture = Path(__file__).parent / "fixtures" / "cross_framework"
+  sizes = json.loads((fixture / "info.json").read_text())["model"]
+  model = gpt.FlaxGPT(gpt.GPTConfig(**sizes), rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+  ucp_jax.save_train_state(tmp_path / "flax", model, optimizer)
+  rules = f"gpt2:num_heads={sizes['num_heads']}"
+  ours, flax = str(tmp_path / "ours"), str(tmp_path / "flax")
+  commands = [
+    ["convert", str(fixture / "ckpt"), ours],
+    ["inspect", ours],
+    ["inspect", str(fixture / "ckpt")],
+    ["verify", ours],
+    ["diff", ours, ours],
+    ["export", ours, str(tmp_path / "hf"), "--format", "hf"],
+    ["export", ours, str(tmp_path / "dcp"), "--format", "dcp"],
+    ["export", flax, str(tmp_path / "ds"), "--format", "deepspeed", "--rules", rules],
+    ["diff", flax, ours, "--rules", rules],
+  ]
+  run = subprocess.run(
+    [sys.executable, "-c", _COMMANDS_OF_FILES, json.dumps(commands)],
+    capture_output=True,
+    text=True,
+    cwd=tmp_path,
+  )
+  results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+  assert len(results) == len(commands), run.stdout + run.stderr
+  for result in results:
+    assert result["status"] in (0, 1), (result, run.stderr)  # diff: 1 when they differ
+    assert result["loaded"] == [], f"`ucp {' '.join(result['argv'])}` imported {result['loaded']}"

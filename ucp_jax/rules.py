@@ -49,8 +49,7 @@ from ucp_jax.mapping._rulesets import gpt2 as gpt2
 from ucp_jax.mapping._rulesets import llama as llama
 from ucp_jax.mapping._transforms import Cast, Merge, Split, Stack, SubParam, Transpose
 from ucp_jax.mapping._transforms import Transform as Transform
-from ucp_jax.models import gpt, neox
-from ucp_jax.models import llama as _llama
+from ucp_jax.models import _configs
 from ucp_jax.models._hf import config_from_hf
 from ucp_jax.sources.hf import _source as hf_source
 from ucp_jax.store import _reader, _untrusted
@@ -195,7 +194,7 @@ def stack(group: int = 0, *, axis: int = 0) -> Transform:
 
 def from_hf(
   config: Any, *, stacked: bool = False, prefix: str | None = None
-) -> tuple[RuleSet, gpt.GPTConfig | _llama.LlamaConfig | neox.NeoXConfig]:
+) -> tuple[RuleSet, _configs.Config]:
   """The rule set and the Flax model config for a Hugging Face model, from its `config.json`.
 
   GPT-2 runs on `ucp_jax.models.gpt.FlaxGPT`; Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2,

@@ -22,7 +22,6 @@ from ucp_jax.mapping._mapping import RuleSet
 from ucp_jax.store import _keypath, _location, _reader
 from ucp_jax.store._checkpoint import Checkpoint
 from ucp_jax.store._manifest import ArrayInfo, Manifest
-from ucp_jax.tree import _restore
 
 _TORCH_DTYPES = {
   "torch.bfloat16": ml_dtypes.bfloat16,
@@ -45,13 +44,15 @@ class ArraysCheckpoint(Checkpoint):
 
   checksummed = False
 
-  def __init__(self, arrays: Mapping[str, Any], where: str = "arrays"):
+  def __init__(self, arrays: Mapping[str, Any], where: str = "arrays", **manifest_fields):
+    """`manifest_fields`: what else the manifest records (`step`, `schema`, `source`)."""
     self._arrays = {str(name): as_numpy(a) for name, a in arrays.items()}
     infos = {
       name: ArrayInfo(a.shape, a.dtype.name, tuple(max(1, d) for d in a.shape))
       for name, a in self._arrays.items()
     }
-    manifest = Manifest(arrays=infos, tree=_keypath.structure(sorted(infos)), created="")
+    tree = _keypath.structure(sorted(infos))
+    manifest = Manifest(arrays=infos, tree=tree, created="", **manifest_fields)
     super().__init__(_location.resolve(f"memory://{where}/"), manifest)
 
   def open_future(self, key: str) -> ts.Future:
@@ -94,6 +95,8 @@ def mapped_state(
       subtree = "params" if any(k.startswith("params/") for k in ckpt.keys()) else ""
   else:
     ckpt = ArraysCheckpoint(source)
+  from ucp_jax.tree import _restore  # places arrays on devices: JAX, loaded here
+
   state = _restore.restore(ckpt, current, subtree=subtree, partial=partial, cast=cast, rules=rules)
   return graphdef, state, rest
 

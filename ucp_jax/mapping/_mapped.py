@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -30,7 +31,6 @@ from ucp_jax.mapping._transforms import Cast, Split, SubParam, Transpose
 from ucp_jax.store import _hostmem, _keypath, _threads
 from ucp_jax.store._checkpoint import Checkpoint
 from ucp_jax.store._manifest import ArrayInfo
-from ucp_jax.tree import _devices
 
 
 class MappedCheckpoint(Checkpoint):
@@ -310,14 +310,20 @@ def _lay_out(block: np.ndarray, steps: list, out: np.ndarray):
   """Starts laying `block` (a view of a read buffer) out into `out` through `steps`.
 
   Without a cast the steps are strides on a numpy view, copied by `_devices.dense_copy`
-  (a tiled transposition) on the I/O pool; a cast goes through TensorStore's copy. Returns a
+  (a tiled transposition through JAX's CPU device) on the I/O pool; a cast goes through
+  TensorStore's copy, and so does everything where JAX is not loaded: a restore or
+  `load_into` has it, a diff or export of files does not import it for a copy. Returns a
   future.
   """
-  if all(isinstance(s, (Transpose, _Heads)) for s in steps) and _devices.dense_copies(block.dtype):
+  devices = None
+  if "jax" in sys.modules:
+    from ucp_jax.tree import _devices as devices
+  plain = all(isinstance(s, (Transpose, _Heads)) for s in steps)
+  if devices is not None and plain and devices.dense_copies(block.dtype):
     view = block
     for step in steps:
       view = step.forward(view)
-    return _threads.submit(_devices.dense_copy, view, out)
+    return _threads.submit(devices.dense_copy, view, out)
   view = ts.array(block, copy=False).translate_to[0]
   for step in steps:
     view = step.view(view)

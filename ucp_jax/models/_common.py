@@ -9,7 +9,6 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from ucp_jax import _errors
 from ucp_jax.models import _sharding
 
 ACTIVATIONS = {
@@ -25,13 +24,6 @@ ACTIVATIONS = {
 }
 """The MLP activations a config may name (`gelu_tanh` is Hugging Face's `gelu_new`,
 `gelu_pytorch_tanh`, `gelu_fast` and `gelu_accurate`; `gelu` is the exact, erf one)."""
-
-
-def check_activation(name: str) -> None:
-  if name not in ACTIVATIONS:
-    raise _errors.InvalidArgumentError(
-      f"activation {name!r} is not one of {', '.join(ACTIVATIONS)}"
-    )
 
 
 class Projection(nnx.Module):

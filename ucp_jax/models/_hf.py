@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ucp_jax import _errors
-from ucp_jax.models import _hf_rope, gpt, llama, neox
+from ucp_jax.models import _configs, _hf_rope
 from ucp_jax.models._hf_reader import MAX_SIZE as MAX_SIZE
 from ucp_jax.models._hf_reader import Reader, is_int, shown
 
@@ -89,7 +89,7 @@ REFUSED = {
 
 def config_from_hf(
   config: Mapping[str, Any], *, where: str = "config.json"
-) -> gpt.GPTConfig | llama.LlamaConfig | neox.NeoXConfig:
+) -> _configs.GPTConfig | _configs.LlamaConfig | _configs.NeoXConfig:
   """The Flax model config that computes what the `config.json` `config` describes.
 
   Example:
@@ -121,7 +121,7 @@ def config_from_hf(
   )
 
 
-def _gpt2(r: Reader, kind: str) -> Callable[[], gpt.GPTConfig]:
+def _gpt2(r: Reader, kind: str) -> Callable[[], _configs.GPTConfig]:
   sizes = {
     "vocab_size": r.size("vocab_size"),
     "max_len": r.size("n_positions"),
@@ -139,7 +139,7 @@ def _gpt2(r: Reader, kind: str) -> Callable[[], gpt.GPTConfig]:
   eps = r.number("layer_norm_epsilon")
   hidden = r.optional_size("n_inner")
   tie = r.flag("tie_word_embeddings")
-  return lambda: gpt.GPTConfig(**sizes, eps=eps, hidden=hidden, act=act, tie_embeddings=tie)
+  return lambda: _configs.GPTConfig(**sizes, eps=eps, hidden=hidden, act=act, tie_embeddings=tie)
 
 
 def _sizes(r: Reader) -> dict[str, Any]:
@@ -182,20 +182,20 @@ def _causal(r: Reader) -> None:
   r.refuse(r.flag("use_bidirectional_attention"), "bidirectional attention is not causal")
 
 
-def _llama(r: Reader, kind: str) -> Callable[[], llama.LlamaConfig]:
+def _llama(r: Reader, kind: str) -> Callable[[], _configs.LlamaConfig]:
   sizes, common = _sizes(r), _common(r)
   bias = r.flag("attention_bias")
   extra = {"qkv_bias": bias, "o_bias": bias, "mlp_bias": r.flag("mlp_bias")}
   return _make(sizes, common, _rope(r, sizes["head_dim"]), extra)
 
 
-def _mistral(r: Reader, kind: str) -> Callable[[], llama.LlamaConfig]:
+def _mistral(r: Reader, kind: str) -> Callable[[], _configs.LlamaConfig]:
   sizes, common = _sizes(r), _common(r)
   extra = {"sliding_window": r.optional_size("sliding_window")}  # every layer; null: none
   return _make(sizes, common, _rope(r, sizes["head_dim"]), extra)
 
 
-def _qwen(r: Reader, kind: str) -> Callable[[], llama.LlamaConfig]:
+def _qwen(r: Reader, kind: str) -> Callable[[], _configs.LlamaConfig]:
   sizes, common = _sizes(r), _common(r)
   if kind == "qwen2":  # Qwen2: q/k/v biases always, `attention_bias` unread
     extra = {"qkv_bias": True}
@@ -215,7 +215,7 @@ def _qwen(r: Reader, kind: str) -> Callable[[], llama.LlamaConfig]:
   return _make(sizes, common, _rope(r, sizes["head_dim"]), extra)
 
 
-def _gemma(r: Reader, kind: str) -> Callable[[], llama.LlamaConfig]:
+def _gemma(r: Reader, kind: str) -> Callable[[], _configs.LlamaConfig]:
   sizes = _sizes(r)
   common = _common(r, "hidden_act" if kind == "gemma" else "hidden_activation")
   if kind == "gemma" and r("hidden_act") == "gelu":
@@ -270,7 +270,7 @@ def _gemma3_rope(r: Reader, head_dim: int) -> dict[str, Any]:
   }
 
 
-def _phi3(r: Reader, kind: str) -> Callable[[], llama.LlamaConfig]:
+def _phi3(r: Reader, kind: str) -> Callable[[], _configs.LlamaConfig]:
   sizes, common = _sizes(r), _common(r)
   p = _hf_rope.params(r, partial_key=None)
   key = "partial_rotary_factor"
@@ -286,14 +286,14 @@ def _phi3(r: Reader, kind: str) -> Callable[[], llama.LlamaConfig]:
   return _make(sizes, common, rope, extra)
 
 
-def _olmo2(r: Reader, kind: str) -> Callable[[], llama.LlamaConfig]:
+def _olmo2(r: Reader, kind: str) -> Callable[[], _configs.LlamaConfig]:
   sizes, common = _sizes(r), _common(r)
   bias = r.flag("attention_bias")
   extra = {"qkv_bias": bias, "o_bias": bias, "qk_norm": "all", "norms": "post"}
   return _make(sizes, common, _rope(r, sizes["head_dim"]), extra)
 
 
-def _gpt_neox(r: Reader, kind: str) -> Callable[[], neox.NeoXConfig]:
+def _gpt_neox(r: Reader, kind: str) -> Callable[[], _configs.NeoXConfig]:
   heads, d = r.size("num_attention_heads"), r.size("hidden_size")
   head_dim = max(1, d // heads)
   r.refuse(d % heads != 0, f"`hidden_size` {d} is not a multiple of {heads} heads")
@@ -325,7 +325,7 @@ def _gpt_neox(r: Reader, kind: str) -> Callable[[], neox.NeoXConfig]:
     "attention_bias": r.flag("attention_bias"),
     "tie_embeddings": r.flag("tie_word_embeddings"),
   }
-  return lambda: neox.NeoXConfig(**fields)
+  return lambda: _configs.NeoXConfig(**fields)
 
 
 def _windows(r: Reader, layers: int, window: int | None, default) -> dict[str, Any]:
@@ -334,10 +334,10 @@ def _windows(r: Reader, layers: int, window: int | None, default) -> dict[str, A
   types = r.names("layer_types")
   if types is not None:
     types = ["full_attention" if t == "attention" else t for t in types]  # the legacy name
-    bad = sorted(set(types) - set(llama.LAYER_TYPES))
+    bad = sorted(set(types) - set(_configs.LAYER_TYPES))
     r.refuse(
       bool(bad),
-      f"`layer_types`: {', '.join(map(repr, bad))} not one of {', '.join(llama.LAYER_TYPES)}",
+      f"`layer_types`: {', '.join(map(repr, bad))} not one of {', '.join(_configs.LAYER_TYPES)}",
     )
     r.refuse(len(types) != layers, f"`layer_types`: {len(types)} entries for {layers} layers")
     sliding = [t == "sliding_attention" for t in types]
@@ -363,15 +363,15 @@ def _windows(r: Reader, layers: int, window: int | None, default) -> dict[str, A
     return {"sliding_window": window}
   return {
     "sliding_window": window,
-    "layer_types": tuple(llama.LAYER_TYPES[s] for s in sliding),
+    "layer_types": tuple(_configs.LAYER_TYPES[s] for s in sliding),
   }
 
 
-def _make(*parts: dict) -> Callable[[], llama.LlamaConfig]:
+def _make(*parts: dict) -> Callable[[], _configs.LlamaConfig]:
   fields: dict[str, Any] = {}
   for part in parts:
     fields |= part
-  return lambda: llama.LlamaConfig(**fields)
+  return lambda: _configs.LlamaConfig(**fields)
 
 
 FAMILIES: dict[str, Callable[[Reader, str], Callable[[], Any]]] = {

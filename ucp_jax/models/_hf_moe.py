@@ -1,7 +1,7 @@
 """`config.json` readers of the mixture-of-experts families: Mixtral, Qwen2-MoE, Qwen3-MoE.
 
 Each reads what `transformers` 5.24 reads for its `model_type` (the class defaults for absent
-fields, `DEFAULTS`) into a `ucp_jax.models.moe.MoeConfig`; `register()` adds them to
+fields, `DEFAULTS`) into a `ucp_jax.models._configs.MoeConfig`; `register()` adds them to
 `ucp_jax.models._hf.FAMILIES` (done when `ucp_jax.models` is imported).
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ucp_jax.models import _hf, _hf_rope, llama, moe
+from ucp_jax.models import _configs, _hf, _hf_rope
 from ucp_jax.models._hf_reader import MAX_SIZE, Reader, is_int, shown
 
 _MOE = {"hidden_act": "silu", "tie_word_embeddings": False, "num_experts_per_tok": 2}
@@ -83,7 +83,7 @@ def _windows(r: Reader, layers: int, window: int | None, default) -> dict:
     return {}
   if all(sliding):
     return {"sliding_window": window}
-  return {"sliding_window": window, "layer_types": tuple(llama.LAYER_TYPES[s] for s in sliding)}
+  return {"sliding_window": window, "layer_types": tuple(_configs.LAYER_TYPES[s] for s in sliding)}
 
 
 def _experts(r: Reader, *keys: str) -> dict:
@@ -110,14 +110,14 @@ def _sparse_layers(r: Reader, layers: int) -> tuple[int, ...]:
   return tuple(i for i in range(layers) if i in only or (i + 1) % step)
 
 
-def mixtral(r: Reader, kind: str) -> Callable[[], moe.MoeConfig]:
+def mixtral(r: Reader, kind: str) -> Callable[[], _configs.MoeConfig]:
   sizes, common = _sizes(r), _common(r)
   extra = {"sliding_window": r.optional_size("sliding_window"), "norm_topk_prob": True}
   extra |= _experts(r, "num_local_experts", "num_experts") | {"expert_hidden": sizes["hidden"]}
   return _make(sizes, common, _rope(r, sizes["head_dim"]), extra)
 
 
-def qwen_moe(r: Reader, kind: str) -> Callable[[], moe.MoeConfig]:
+def qwen_moe(r: Reader, kind: str) -> Callable[[], _configs.MoeConfig]:
   sizes, common = _sizes(r), _common(r)
   if kind == "qwen2_moe":
     extra = {"qkv_bias": r.flag("qkv_bias")}
@@ -145,11 +145,11 @@ def qwen_moe(r: Reader, kind: str) -> Callable[[], moe.MoeConfig]:
   return _make(sizes, common, _rope(r, sizes["head_dim"]), extra)
 
 
-def _make(*parts: dict) -> Callable[[], moe.MoeConfig]:
+def _make(*parts: dict) -> Callable[[], _configs.MoeConfig]:
   fields: dict = {}
   for part in parts:
     fields |= part
-  return lambda: moe.MoeConfig(**fields)
+  return lambda: _configs.MoeConfig(**fields)
 
 
 FAMILIES = {"mixtral": mixtral, "qwen2_moe": qwen_moe, "qwen3_moe": qwen_moe}

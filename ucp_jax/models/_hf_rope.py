@@ -17,7 +17,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ucp_jax.models import _rope
+from ucp_jax.models import _configs
 from ucp_jax.models._hf_reader import Reader, is_int, is_number, shown
 
 Rope = tuple[float, "dict | None", float]
@@ -72,8 +72,8 @@ def read(r: Reader, p: Mapping[str, Any], *, head_dim: int, partial: bool, where
     factor = 1.0
   if kind == "default":
     return theta, None, factor
-  if kind not in _rope.SCALINGS:
-    r.problem(f"{where}rope_type {kind!r}: supported are default, {', '.join(_rope.SCALINGS)}")
+  if kind not in _configs.SCALINGS:
+    r.problem(f"{where}rope_type {kind!r}: supported are default, {', '.join(_configs.SCALINGS)}")
     return theta, None, factor
   rot_dim = int(head_dim * factor)
   return theta, _scaling(r, kind, p, theta, rot_dim, where), factor

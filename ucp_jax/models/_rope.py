@@ -31,57 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ucp_jax import _errors
-
-SCALINGS = {
-  "linear": ("factor",),
-  "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-  "dynamic": ("factor", "max_position_embeddings"),
-  "yarn": (
-    "factor",
-    "attention_factor",
-    "beta_fast",
-    "beta_slow",
-    "original_max_position_embeddings",
-    "truncate",
-  ),
-  "longrope": (
-    "short_factor",
-    "long_factor",
-    "attention_factor",
-    "original_max_position_embeddings",
-  ),
-}
-"""The RoPE scalings the reference models run (Hugging Face's `rope_type`) and their numbers."""
-
-
-def frozen(scaling: Any) -> tuple | None:
-  """`scaling` as a sorted tuple of pairs (lists as tuples), so a config holding it hashes."""
-  if scaling is None:
-    return None
-  items = dict(scaling).items()
-  return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in items))
-
-
-def check(scaling: Any, rot_dim: int, where: str = "rope_scaling") -> None:
-  """Raises `InvalidArgumentError` for a scaling `tables` cannot compute."""
-  if scaling is None:
-    return
-  scaling = dict(scaling)
-  needs = SCALINGS.get(scaling.get("rope_type"))
-  missing = [k for k in needs or () if k not in scaling]
-  if needs is None or missing:
-    raise _errors.InvalidArgumentError(
-      f"{where} {scaling}: runs rope_type {', '.join(SCALINGS)}"
-      + (f"; missing {', '.join(missing)}" if missing else "")
-    )
-  if scaling["rope_type"] == "longrope":
-    for key in ("short_factor", "long_factor"):
-      if len(scaling[key]) != rot_dim // 2:
-        raise _errors.InvalidArgumentError(
-          f"{where}: longrope's {key} has {len(scaling[key])} numbers; the rotary dimension "
-          f"{rot_dim} needs {rot_dim // 2}"
-        )
+from ucp_jax.models._configs import SCALINGS as SCALINGS
 
 
 def inv_freq(rot_dim: int, theta: float, scaling: Any, t: int) -> tuple[np.ndarray, float]:

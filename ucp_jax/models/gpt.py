@@ -7,8 +7,6 @@ runs Hugging Face GPT-2 checkpoints (`ucp_jax.rules.hf_gpt2`, `ucp_jax.rules.fro
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -17,44 +15,13 @@ from ucp_jax.models._common import (
   ACTIVATIONS,
   Projection,
   causal_attention,
-  check_activation,
   lm_head,
   make_layers,
   on_auto_axes,
   run_layers,
   tp_target,
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class GPTConfig:
-  """The sizes of a `FlaxGPT`.
-
-  Attributes:
-    hidden: the MLP's width; None means `4 * d_model` (filled in at construction, so
-      `dataclasses.replace` keeps it: pass `hidden=None` again with a new `d_model`).
-    act: the MLP's activation, a key of `ucp_jax.models._common.ACTIVATIONS`.
-    tie_embeddings: the output layer is `wte` (GPT-2), or its own `lm_head` without bias.
-  """
-
-  vocab_size: int = 256
-  max_len: int = 64
-  num_layers: int = 2
-  num_heads: int = 4
-  d_model: int = 64
-  eps: float = 1e-5
-  hidden: int | None = None
-  act: str = "gelu_tanh"
-  tie_embeddings: bool = True
-
-  def __post_init__(self):
-    check_activation(self.act)
-    if self.hidden is None:
-      object.__setattr__(self, "hidden", 4 * self.d_model)
-
-  @property
-  def head_dim(self) -> int:
-    return self.d_model // self.num_heads
+from ucp_jax.models._configs import GPTConfig as GPTConfig
 
 
 class Attention(nnx.Module):

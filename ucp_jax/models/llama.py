@@ -11,15 +11,12 @@ RoPE scalings of `ucp_jax.models._rope`, partial rotary, attention and logit sof
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ucp_jax import _errors
 from ucp_jax.models import _rope
 from ucp_jax.models._common import (
   ACTIVATIONS,
@@ -28,7 +25,6 @@ from ucp_jax.models._common import (
   HeadsRMSNorm,
   Projection,
   causal_attention,
-  check_activation,
   lm_head,
   make_layers,
   on_auto_axes,
@@ -36,111 +32,9 @@ from ucp_jax.models._common import (
   softcapped,
   tp_target,
 )
-
-ROPE_SCALING = _rope.SCALINGS
-"""RoPE scalings `FlaxLlama` runs (as Hugging Face's `rope_type`) and the numbers each needs."""
-
-LAYER_TYPES = ("full_attention", "sliding_attention")
-NORMS = ("pre", "sandwich", "post")
-QK_NORMS = ("none", "head", "all")
-
-
-@dataclasses.dataclass(frozen=True)
-class LlamaConfig:
-  """The sizes and options of a `FlaxLlama` (the defaults: the repo's plain reference Llama).
-
-  Attributes:
-    head_dim: per-head width; None means `d_model // num_heads` (filled in at construction,
-      so `dataclasses.replace` keeps it: pass `head_dim=None` again with new sizes).
-    hidden: the MLP's width.
-    eps: the RMSNorms' epsilon.
-    rope_scaling: None, or `{"rope_type": ..., ...}` with the numbers `ROPE_SCALING` names
-      (held as a sorted tuple of pairs, so the config stays hashable).
-    qkv_bias: biases on the query, key and value projections (Qwen2).
-    o_bias: a bias on the output projection (Llama's `attention_bias` sets both).
-    mlp_bias: biases on the MLP's projections.
-    qk_norm: RMSNorms on the queries and keys before RoPE: `"head"` over each head (Qwen3,
-      Gemma 3), `"all"` over the whole projection (OLMo 2), `"none"`; True means `"head"`.
-    tie_embeddings: the output layer is `embed` (`embed.attend`), not an `lm_head`.
-    act: the gate's activation, a key of `ucp_jax.models._common.ACTIVATIONS`.
-    norm_offset: every RMSNorm's gain is `norm_offset + scale` (Gemma: 1.0).
-    embed_scale: embeddings are multiplied by `sqrt(d_model)` (Gemma).
-    sliding_window: each position of a sliding layer attends to its last `sliding_window`
-      positions (Mistral: every layer).
-    layer_types: `"sliding_attention"` or `"full_attention"` per layer; None: every layer
-      slides when `sliding_window` is set.
-    partial_rotary: the fraction of each head RoPE rotates (the first `rot_dim` features).
-    local_rope_theta: RoPE's base on sliding layers (Gemma 3); None: `rope_theta`.
-    local_rope_scaling: RoPE's scaling on sliding layers when `local_rope_theta` is set.
-    norms: `"pre"` (a norm before attention and MLP), `"sandwich"` (and after each: Gemma 2
-      and 3) or `"post"` (after each only: OLMo 2).
-    query_scale: the attention scores are scaled by `query_scale ** -0.5` (Gemma 2's
-      `query_pre_attn_scalar`); None: `head_dim ** -0.5`.
-    attn_softcap: scores become `cap * tanh(scores / cap)` (Gemma 2).
-    final_softcap: the logits likewise (Gemma 2 and 3).
-  """
-
-  vocab_size: int = 256
-  num_layers: int = 2
-  num_heads: int = 4
-  num_kv_heads: int = 2
-  d_model: int = 64
-  hidden: int = 128
-  rope_theta: float = 10000.0
-  eps: float = 1e-5
-  head_dim: int | None = None
-  rope_scaling: Any = None
-  qkv_bias: bool = False
-  o_bias: bool = False
-  mlp_bias: bool = False
-  qk_norm: Literal["none", "head", "all"] | bool = "none"
-  tie_embeddings: bool = False
-  act: str = "silu"
-  norm_offset: float = 0.0
-  embed_scale: bool = False
-  sliding_window: int | None = None
-  layer_types: tuple[str, ...] | None = None
-  partial_rotary: float = 1.0
-  local_rope_theta: float | None = None
-  local_rope_scaling: Any = None
-  norms: Literal["pre", "sandwich", "post"] = "pre"
-  query_scale: float | None = None
-  attn_softcap: float | None = None
-  final_softcap: float | None = None
-
-  def __post_init__(self):
-    check_activation(self.act)
-    if self.head_dim is None:
-      object.__setattr__(self, "head_dim", self.d_model // self.num_heads)
-    if isinstance(self.qk_norm, bool):
-      object.__setattr__(self, "qk_norm", "head" if self.qk_norm else "none")
-    for name in ("rope_scaling", "local_rope_scaling"):
-      object.__setattr__(self, name, _rope.frozen(getattr(self, name)))
-      _rope.check(getattr(self, name), self.rot_dim, name)
-    if self.layer_types is not None:
-      object.__setattr__(self, "layer_types", tuple(self.layer_types))
-    problems = [
-      f"{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}"
-      for name, allowed in (("norms", NORMS), ("qk_norm", QK_NORMS))
-      if getattr(self, name) not in allowed
-    ]
-    if self.layer_types is not None and (
-      len(self.layer_types) != self.num_layers or set(self.layer_types) - set(LAYER_TYPES)
-    ):
-      problems.append(f"layer_types: {self.num_layers} of {', '.join(LAYER_TYPES)}")
-    if problems:
-      raise _errors.InvalidArgumentError("LlamaConfig: " + "; ".join(problems))
-
-  @property
-  def rot_dim(self) -> int:
-    """The features of each head RoPE rotates."""
-    return int(self.head_dim * self.partial_rotary)
-
-  def sliding(self, layer: int) -> bool:
-    """Whether layer `layer` attends through the sliding window."""
-    if self.sliding_window is None:
-      return False
-    return self.layer_types is None or self.layer_types[layer] == "sliding_attention"
+from ucp_jax.models._configs import LAYER_TYPES as LAYER_TYPES
+from ucp_jax.models._configs import ROPE_SCALING as ROPE_SCALING
+from ucp_jax.models._configs import LlamaConfig as LlamaConfig
 
 
 class Attention(nnx.Module):

@@ -30,46 +30,7 @@ from flax import nnx
 from ucp_jax import _errors
 from ucp_jax.models import llama
 from ucp_jax.models._common import ACTIVATIONS, lm_head, make_layers, rms_norm
-
-
-@dataclasses.dataclass(frozen=True)
-class MoeConfig(llama.LlamaConfig):
-  """A `LlamaConfig` with sparse mixture-of-experts MLPs.
-
-  Attributes:
-    num_experts: experts per sparse layer.
-    top_k: experts each token is routed to.
-    expert_hidden: each expert's hidden width (`hidden` is the dense layers' width).
-    norm_topk_prob: the top-k probabilities are renormalized to sum to 1.
-    shared_hidden: width of a shared expert every token goes through (0: none).
-    shared_gate: the shared expert's output is scaled by `sigmoid(x @ shared_gate)`.
-    dense_layers: layers with a dense MLP of width `hidden` instead of experts.
-  """
-
-  num_experts: int = 4
-  top_k: int = 2
-  expert_hidden: int = 64
-  norm_topk_prob: bool = True
-  shared_hidden: int = 0
-  shared_gate: bool = False
-  dense_layers: tuple[int, ...] = ()
-
-  def __post_init__(self):
-    super().__post_init__()
-    object.__setattr__(self, "dense_layers", tuple(sorted(set(self.dense_layers))))
-    problems = []
-    if not 0 < self.top_k <= self.num_experts:
-      problems.append(f"top_k {self.top_k} of {self.num_experts} experts")
-    if any(not 0 <= i < self.num_layers for i in self.dense_layers):
-      problems.append(f"dense_layers {list(self.dense_layers)} of {self.num_layers} layers")
-    if self.shared_gate and not self.shared_hidden:
-      problems.append("a shared_gate without a shared expert")
-    if problems:
-      raise _errors.InvalidArgumentError("MoeConfig: " + "; ".join(problems))
-
-  def sparse(self, layer: int) -> bool:
-    """Whether layer `layer` has experts (else a dense MLP)."""
-    return layer not in self.dense_layers
+from ucp_jax.models._configs import MoeConfig as MoeConfig
 
 
 class Experts(nnx.Module):

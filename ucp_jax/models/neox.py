@@ -9,9 +9,6 @@ Flax kernel's `[d_model, heads, 3, head_dim]` layout after a transpose.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -22,56 +19,13 @@ from ucp_jax.models._common import (
   SHARED_AXES,
   Projection,
   causal_attention,
-  check_activation,
   lm_head,
   make_layers,
   on_auto_axes,
   run_layers,
   tp_target,
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class NeoXConfig:
-  """The sizes and options of a `FlaxNeoX`.
-
-  Attributes:
-    hidden: the MLP's width.
-    eps: the LayerNorms' epsilon.
-    act: the MLP's activation, a key of `ucp_jax.models._common.ACTIVATIONS`.
-    rope_scaling: as `LlamaConfig.rope_scaling` (`ucp_jax.models._rope`).
-    partial_rotary: the fraction of each head RoPE rotates (`rotary_pct`).
-    parallel_residual: `x + attn(ln1(x)) + mlp(ln2(x))`; else the two in sequence.
-    attention_bias: biases on the fused query/key/value and output projections.
-    tie_embeddings: the output layer is `embed`, not an `lm_head`.
-  """
-
-  vocab_size: int = 256
-  num_layers: int = 2
-  num_heads: int = 4
-  d_model: int = 64
-  hidden: int = 256
-  eps: float = 1e-5
-  act: str = "gelu"
-  rope_theta: float = 10000.0
-  rope_scaling: Any = None
-  partial_rotary: float = 0.25
-  parallel_residual: bool = True
-  attention_bias: bool = True
-  tie_embeddings: bool = False
-
-  def __post_init__(self):
-    check_activation(self.act)
-    object.__setattr__(self, "rope_scaling", _rope.frozen(self.rope_scaling))
-    _rope.check(self.rope_scaling, self.rot_dim)
-
-  @property
-  def head_dim(self) -> int:
-    return self.d_model // self.num_heads
-
-  @property
-  def rot_dim(self) -> int:
-    return int(self.head_dim * self.partial_rotary)
+from ucp_jax.models._configs import NeoXConfig as NeoXConfig
 
 
 class Attention(nnx.Module):

@@ -14,8 +14,8 @@ import itertools
 import numpy as np
 
 from ucp_jax import _errors
+from ucp_jax.mapping._load import ArraysCheckpoint
 from ucp_jax.store import _reader
-from ucp_jax.tree import _save
 
 _counter = itertools.count()
 
@@ -58,11 +58,10 @@ def torch_named(ckpt: _reader.Checkpoint, rules) -> _reader.Checkpoint:
       f"{ckpt.location}: slots missing after mapping back to torch names:\n"
       + _errors.bullet_list(missing)
     )
-  tree = {
-    role: {n: a for n, a in arrays.items() if n not in tied} for role, arrays in mapped.items()
+  arrays = {
+    f"{role}/{n}": a for role, named in mapped.items() for n, a in named.items() if n not in tied
   }
-  if buffers:
-    tree["buffers"] = buffers
+  arrays |= {f"buffers/{n}": a for n, a in buffers.items()}
   new_params = {}
   for name in names:
     if name in tied:
@@ -81,9 +80,9 @@ def torch_named(ckpt: _reader.Checkpoint, rules) -> _reader.Checkpoint:
     "params": new_params,
     "buffers": {n: f"buffers/{n}" for n in buffers},
   }
-  location = f"memory://ucp_export_flax/{next(_counter)}"
-  _save.save(location, tree, step=ckpt.step, schema=new_schema, source=ckpt.manifest.source)
-  return _reader.open(location)
+  where = f"ucp_export_flax/{next(_counter)}"
+  source = ckpt.manifest.source
+  return ArraysCheckpoint(arrays, where, step=ckpt.step, schema=new_schema, source=source)
 
 
 def _tied(arrays: dict[str, np.ndarray]) -> dict[str, str]:
