@@ -207,3 +207,18 @@ def test_no_command_of_files_imports_jax(tmp_path):
   for result in results:
     assert result["status"] in (0, 1), (result, run.stderr)  # diff: 1 when they differ
     assert result["loaded"] == [], f"`ucp {' '.join(result['argv'])}` imported {result['loaded']}"
+
+
+def test_help_and_version_import_no_tensorstore():
+  """`ucp --help` and `ucp --version` start at once: TensorStore (with ml_dtypes, half a second
+  of CPU on its own) loads only for a command that reads a checkpoint."""
+  code = (
+    "import contextlib, io, sys\n"
+    "from ucp_jax import _cli\n"
+    "for argv in (['--help'], ['--version'], ['convert', '--help'], ['export', '--help']):\n"
+    "  with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+    "    _cli.main(argv)\n"
+    "print(sorted(m for m in ('tensorstore', 'ml_dtypes', 'jax', 'torch') if m in sys.modules))"
+  )
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  assert out.stdout.strip() == "[]", out.stderr

@@ -28,20 +28,28 @@ from ucp_jax._errors import TreeMismatchError as TreeMismatchError
 from ucp_jax._errors import UcpError as UcpError
 from ucp_jax._errors import UnsafePickleError as UnsafePickleError
 from ucp_jax._errors import UnsupportedLeafError as UnsupportedLeafError
-from ucp_jax.sources import _view as _source_view
-from ucp_jax.store import _reader as _store_reader
-from ucp_jax.store._checkpoint import Checkpoint as Checkpoint
-from ucp_jax.store._manifest import ArrayInfo as ArrayInfo
-from ucp_jax.store._manifest import Manifest as Manifest
-from ucp_jax.store._reader import open as open
+from ucp_jax.store import _other_formats
 from ucp_jax.store._zarr_python import register_when_imported as _register_zarr_dtypes
 
 _register_zarr_dtypes()  # zarr-python reads bfloat16 and float8 arrays
-_store_reader.read_other_formats_with(_source_view.open_source)  # `open`: any source format too
 
-# The rest loads on first use (PEP 562), so `ucp inspect`, `ucp convert` and the
-# converters start without importing jax.
+
+def _open_other_format(path, source):
+  """`ucp_jax.open` of any source format (the sources load on first use)."""
+  from ucp_jax.sources import _view
+
+  return _view.open_source(path, source)
+
+
+_other_formats.read_with(_open_other_format)
+
+# The rest loads on first use (PEP 562), so `ucp --help` starts without TensorStore, and
+# `ucp inspect`, `ucp convert` and the converters without JAX.
 _LAZY = {
+  "Checkpoint": ("ucp_jax.store._checkpoint", "Checkpoint"),
+  "ArrayInfo": ("ucp_jax.store._manifest", "ArrayInfo"),
+  "Manifest": ("ucp_jax.store._manifest", "Manifest"),
+  "open": ("ucp_jax.store._reader", "open"),
   "rules": ("ucp_jax.rules", None),
   "SaveHandle": ("ucp_jax.tree._pending", "SaveHandle"),
   "save_async": ("ucp_jax.tree._async", "save_async"),

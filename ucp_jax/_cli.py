@@ -12,7 +12,7 @@ import sys
 from rich.console import Console
 from rich.markup import escape
 
-from ucp_jax import _cli_commands, _errors, _native_logs
+from ucp_jax import _errors, _native_logs
 
 _PIPED_WIDTH = 1 << 16
 """Columns of output to a pipe or file: wide enough that no line wraps (a script reads it)."""
@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Console(
       highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else _PIPED_WIDTH
     )
+    from ucp_jax import _cli_commands  # after parsing: `ucp --help` imports no TensorStore
+
     with _native_logs.filtered():
       return _cli_commands.COMMANDS[args.command](args, out, err)
   except (_errors.UcpError, OSError) as e:  # bad input: one message; a bug keeps its traceback

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ucp_jax import _errors
-from ucp_jax.sinks._report import ExportReport
 from ucp_jax.store import _plugins
-from ucp_jax.store._checkpoint import Checkpoint
+
+if TYPE_CHECKING:
+  from ucp_jax.sinks._report import ExportReport
+  from ucp_jax.store._checkpoint import Checkpoint
 
 
 class Sink(Protocol):

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ucp_jax import _errors
-from ucp_jax.sources import _files
-from ucp_jax.sources._source_plan import Plan
-from ucp_jax.store import _location, _plugins
+from ucp_jax.store import _plugins
+
+if TYPE_CHECKING:
+  from ucp_jax.sources._source_plan import Plan
 
 
 class Source(Protocol):
@@ -81,6 +82,9 @@ def get(name: str) -> Source:
 
 def sniff(path: str | os.PathLike) -> Source | None:
   """The first source that recognizes `path`, else the first that weakly does, or None."""
+  from ucp_jax.sources import _files  # on use: the names above import no TensorStore
+  from ucp_jax.store import _location
+
   with _files.session():
     return _sniff(_location.named(path))
 
@@ -103,6 +107,8 @@ def find(path: str | os.PathLike, name: str | None = None) -> Source:
   Raises:
     SourceFormatError: no source recognizes `path` (the message says what each looks for).
   """
+  from ucp_jax.store import _location  # on use: the names above import no TensorStore
+
   if name is not None:
     return get(name)
   text = _location.named(path)  # a kvstore spec: the URL that names it
@@ -130,6 +136,9 @@ def find(path: str | os.PathLike, name: str | None = None) -> Source:
 
 def describe(path: str | os.PathLike, name: str | None = None, **options) -> Plan:
   """The plan of `path`, read by its source (`name`'s, or the one that recognizes it)."""
+  from ucp_jax.sources import _files  # on use: the names above import no TensorStore
+  from ucp_jax.store import _location
+
   path = _location.named(path)
   with _files.session():  # a URL's prefixes listed once for sniffing and describing
     plan = find(path, name).describe(path, **options)

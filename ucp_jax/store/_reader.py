@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Any, Protocol
+from typing import Any
 
 import crc32c
 import numpy as np
@@ -26,6 +26,7 @@ from ucp_jax.store import (
   _direct,
   _location,
   _manifest,
+  _other_formats,
   _pool,
   _threads,
   _untrusted,
@@ -138,35 +139,6 @@ class StoredCheckpoint(Checkpoint):
     )
 
 
-class OtherFormats(Protocol):
-  """Opens what is not a ucp_jax checkpoint: `(path, source)` -> a read-only view, or None
-  when no source (or not the one named `source`) reads `path`."""
-
-  def __call__(self, path: str | os.PathLike, source: str | None) -> Checkpoint | None: ...
-
-
-_other_formats: OtherFormats | None = None
-
-
-def read_other_formats_with(opener: OtherFormats) -> None:
-  """Lets `open` read other formats through `opener` (the package root installs the
-  sources', once: the store knows no format but its own).
-
-  Raises:
-    InvalidArgumentError: another opener is installed already.
-  """
-  global _other_formats
-  if _other_formats is not None and _name(_other_formats) != _name(opener):
-    raise _errors.InvalidArgumentError(
-      f"open already reads other formats with {_name(_other_formats)}; not {_name(opener)}"
-    )
-  _other_formats = opener
-
-
-def _name(fn) -> str:
-  return f"{fn.__module__}.{fn.__qualname__}"
-
-
 def open(path: str | os.PathLike | Checkpoint, *, source: str | None = None) -> Checkpoint:
   """Opens a checkpoint read-only: a committed ucp_jax checkpoint, or another format's.
 
@@ -200,14 +172,14 @@ def open(path: str | os.PathLike | Checkpoint, *, source: str | None = None) -> 
   if isinstance(path, Checkpoint):  # already open (or a mapped view of one)
     return path
   if source is not None:
-    view = _other_formats(path, source) if _other_formats is not None else None
+    view = _other_formats.opener(path, source) if _other_formats.opener else None
     if view is None:
       raise _errors.InvalidArgumentError(f"source={source!r}: no reader of that name is loaded")
     return view
   try:
     return _open_committed(path)
   except _errors.CheckpointNotFoundError:
-    view = _other_formats(path, None) if _other_formats is not None else None
+    view = _other_formats.opener(path, None) if _other_formats.opener else None
     if view is None:
       raise
     return view

@@ -20,9 +20,6 @@ import importlib.util
 import sys
 import warnings
 
-import ml_dtypes
-import numpy as np
-
 NAMES = (
   "bfloat16",
   "float8_e3m4",
@@ -37,6 +34,8 @@ NAMES = (
 
 def _data_type(name: str) -> type:
   """A zarr-python data type class for the ml_dtypes float `name`."""
+  import ml_dtypes  # here, not at import: `import ucp_jax` stays light
+  import numpy as np
   from zarr.core.dtype.npy.float import BaseFloat
 
   dtype = np.dtype(getattr(ml_dtypes, name))
