@@ -206,10 +206,12 @@ def test_no_schema(tmp_path):
   assert str(e.value) == (
     f"{src}: this checkpoint has no parameter schema, so it does not say which array is which "
     "parameter, optimizer slot (exp_avg, exp_avg_sq) or buffer, nor the optimizer step and "
-    "hyperparameters that an export needs. A plain `ucp_jax.save(tree)` records none. Save the "
-    "train state with the Flax/Optax helpers (they fill `schema=`), pass `schema=` to "
+    "hyperparameters that an export needs. A plain `ucp_jax.save(tree)` records none, and its "
+    "keys are not a training state's (`model/` and `optimizer/opt_state/`, or `params/` and "
+    "`opt_state/`). Save the train state with `ucp_jax.save_train_state(path, model, optimizer)` "
+    "(in an Orbax manager: `UcpSave.train_state(model, optimizer)`), pass `schema=` to "
     "`ucp_jax.save` yourself (docs/schema.md), or convert a DeepSpeed checkpoint with "
-    "`ucp convert` / `ucp_jax.convert`."
+    "`ucp convert`."
   )
   assert not (tmp_path / "ds").exists()
 

@@ -196,3 +196,118 @@ def test_refuses_a_directory_that_orbax_has_written_into(tmp_path):
   ):
     checkpointer.save(tmp_path / "ckpt", args=UcpSave({"x": np.ones(2)}))
   checkpointer.close()
+
+
+def _gpt_train_state():
+  import optax
+  from flax import nnx
+
+  from ucp_jax.models import gpt
+
+  cfg = gpt.GPTConfig(num_layers=1, num_heads=4, d_model=32, vocab_size=64, max_len=16)
+  model = gpt.FlaxGPT(cfg, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, optax.adamw(1e-3, weight_decay=0.1), wrt=nnx.Param)
+  tokens = jnp.arange(16).reshape(2, 8) % 64
+
+  def loss(model):
+    return jnp.mean(model(tokens) ** 2)
+
+  optimizer.update(model, nnx.grad(loss)(model))  # one step: moments that are not zeros
+  return model, optimizer
+
+
+def _export_files(root) -> dict:
+  """Every file of a DeepSpeed export, `.pt` files loaded (less the source path they record)."""
+  import torch
+
+  out = {}
+  for path in sorted(p for p in root.rglob("*") if p.is_file()):
+    name = str(path.relative_to(root))
+    if path.suffix != ".pt":
+      out[name] = path.read_bytes()
+      continue
+    value = torch.load(path, weights_only=True)
+    if isinstance(value, dict):
+      value.pop("ucp_jax", None)  # where it was exported from
+    out[name] = _plain(value)
+  return out
+
+
+def _plain(value):
+  """`value` with its tensors as (dtype, shape, bytes): comparable with ==."""
+  import torch
+
+  if isinstance(value, torch.Tensor):
+    return (
+      str(value.dtype),
+      tuple(value.shape),
+      value.view(-1).view(torch.uint8).numpy().tobytes(),
+    )
+  if isinstance(value, dict):
+    return {k: _plain(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return type(value)(_plain(v) for v in value)
+  return value
+
+
+def test_a_train_state_saved_through_the_manager_exports_as_save_train_state(tmp_path):
+  """`UcpSave.train_state` records the schema `save_train_state` records: the DeepSpeed
+  exports of the two are the same files, hyperparameters and all; restore_train_state
+  reads the manager's item back."""
+  pytest.importorskip("torch")
+  from flax import nnx
+
+  model, optimizer = _gpt_train_state()
+  manager = _manager(tmp_path / "run")
+  manager.save(1, args=UcpSave.train_state(model, optimizer))
+  manager.wait_until_finished()
+  item = tmp_path / "run" / "1" / "default"
+  ucp_jax.save_train_state(tmp_path / "direct", model, optimizer)
+  assert ucp_jax.open(item).manifest.schema == ucp_jax.open(tmp_path / "direct").manifest.schema
+  rules = "gpt2:num_heads=4"
+  for src, dst in ((item, "from_manager"), (tmp_path / "direct", "from_direct")):
+    ucp_jax.export(src, tmp_path / dst, format="deepspeed", rules=rules, tag="t")
+  assert _export_files(tmp_path / "from_manager") == _export_files(tmp_path / "from_direct")
+
+  fresh_model, _ = _gpt_train_state()
+  fresh = nnx.Optimizer(fresh_model, optimizer.tx, wrt=nnx.Param)
+  ucp_jax.restore_train_state(item, fresh_model, fresh)
+  assert int(fresh.step[...]) == 1
+  np.testing.assert_array_equal(fresh_model.wte.embedding[...], model.wte.embedding[...])
+
+
+def test_a_plain_save_of_a_train_state_tree_exports_with_its_schema_found(tmp_path):
+  """`UcpSave(item)` of `{"model": ..., "optimizer": ...}` records no schema; the export finds
+  it from the keys (as for an Orbax checkpoint of the same tree) and says so: the moments
+  are those of the direct save's export, the hyperparameters missing (not in the state)."""
+  torch = pytest.importorskip("torch")
+  from flax import nnx
+
+  model, optimizer = _gpt_train_state()
+  manager = _manager(tmp_path / "run")
+  manager.save(1, args=UcpSave({"model": nnx.state(model), "optimizer": nnx.state(optimizer)}))
+  manager.wait_until_finished()
+  item = tmp_path / "run" / "1" / "default"
+  assert ucp_jax.open(item).manifest.schema is None
+  report = ucp_jax.export(item, tmp_path / "ds", format="deepspeed", rules="gpt2:num_heads=4")
+  assert any("it was found from the training state's keys" in n for n in report.notes)
+  assert any("no hyperparameters are in the state" in n for n in report.notes)
+  ucp_jax.save_train_state(tmp_path / "direct", model, optimizer)
+  ucp_jax.export(
+    tmp_path / "direct", tmp_path / "ds2", format="deepspeed", rules="gpt2:num_heads=4"
+  )
+  theirs, ours = tmp_path / "ds2" / report.tag / "zero", tmp_path / "ds" / report.tag / "zero"
+  files = sorted(str(p.relative_to(ours)) for p in ours.glob("*/*.pt"))  # per parameter
+  assert files == sorted(str(p.relative_to(theirs)) for p in theirs.glob("*/*.pt"))
+  assert any(f.endswith("/exp_avg_sq.pt") for f in files)
+  for name in files:
+    a, b = (_plain(torch.load(root / name, weights_only=True)) for root in (ours, theirs))
+    assert a == b, name
+
+
+def test_a_plain_save_of_another_tree_says_how_to_make_it_exportable(tmp_path):
+  manager = _manager(tmp_path / "run")
+  manager.save(1, args=UcpSave({"w": jnp.ones(3)}))
+  manager.wait_until_finished()
+  with pytest.raises(ucp_jax.MappingError, match=r"UcpSave\.train_state\(model, optimizer\)"):
+    ucp_jax.export(tmp_path / "run" / "1" / "default", tmp_path / "hf", format="hf")

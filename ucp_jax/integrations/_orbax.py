@@ -61,7 +61,7 @@ class UcpCheckpointHandler(ocp.AsyncCheckpointHandler):
       metadata=args.metadata,
       chunk_bytes=args.chunk_bytes,
       bundle_bytes=args.bundle_bytes,
-      schema=None,
+      schema=args.schema,
       source=None,
     )
 
@@ -87,7 +87,7 @@ class UcpCheckpointHandler(ocp.AsyncCheckpointHandler):
       base=latest_item(directory) if _incremental(directory, args) else None,
       unchanged=args.unchanged,
       pool_levels=_POOL_LEVELS if _incremental(directory, args) else 0,
-      schema=None,
+      schema=args.schema,
       source=None,
     )
 
@@ -160,6 +160,9 @@ class UcpSave(ocp.args.CheckpointArgs):
 
   `incremental` (default True) takes the manager's latest step as the base of the save
   (`ucp_jax.save(..., base=...)`); `unchanged` says how unchanged arrays are known.
+  `schema` is the universal parameter schema (docs/schema.md) that an export to DeepSpeed or
+  Hugging Face reads: `UcpSave.train_state(model, optimizer)` fills it, as
+  `ucp_jax.save_train_state` does, and `ucp_jax.restore_train_state` restores the item.
 
   Example:
     >>> import jax.numpy as jnp
@@ -179,6 +182,41 @@ class UcpSave(ocp.args.CheckpointArgs):
   durable: bool = True
   incremental: bool = True
   unchanged: _unchanged.Unchanged = "identity"
+  schema: dict | None = None
+
+  @classmethod
+  def train_state(
+    cls,
+    model: Any,
+    optimizer: Any = None,
+    *,
+    step: int | None = None,
+    hyperparams: dict | list[dict] | None = None,
+    **options: Any,
+  ) -> UcpSave:
+    """The save args of a Flax training state with its schema, as `save_train_state` saves it.
+
+    Example:
+      >>> import optax
+      >>> from flax import nnx
+      >>> from ucp_jax.orbax import UcpSave
+      >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+      >>> args = UcpSave.train_state(model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param))
+      >>> args.schema["params"]["kernel"]["slots"]["exp_avg"], args.step
+      ('optimizer/opt_state/0/mu/kernel', 0)
+
+    Args:
+      model: an `nnx.Module` (with `optimizer` an `nnx.Optimizer`), or a Linen `TrainState`.
+      optimizer: the `nnx.Optimizer`, for NNX.
+      step: the training step (default: the optimizer's).
+      hyperparams: per-group hyperparameters in torch's names, as `save_train_state` takes.
+      **options: the other fields (`metadata`, `incremental`, ...).
+    """
+    from ucp_jax.integrations import _train_state
+
+    item, schema = _train_state.with_schema(model, optimizer, hyperparams)
+    step = schema["optimizer"]["step"] if step is None else step
+    return cls(item, step=step, schema=schema, **options)
 
 
 @ocp.args.register_with_handler(UcpCheckpointHandler, for_restore=True)

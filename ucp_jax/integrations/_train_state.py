@@ -65,13 +65,18 @@ def save_train_state(
     UcpError: whatever `ucp_jax.save` raises (a checkpoint in the way, a leaf it cannot
       store, an earlier `save_async`'s error).
   """
+  tree, schema = with_schema(model, optimizer, hyperparams)
+  if step is None:
+    step = schema["optimizer"]["step"]
+  return _save.save(path, tree, step=step, schema=schema, **save_options)
+
+
+def with_schema(model: Any, optimizer: Any, hyperparams: Any) -> tuple[dict, dict]:
+  """The tree `save_train_state` saves (Optax's placeholders left out) and its schema."""
   layout = _train_layout.layout(model, optimizer)
   flat, _ = _tree.flatten(layout.tree)
   flat = {k: v for k, v in flat.items() if not _optax.is_placeholder(v)}
-  schema = _train_layout.schema(flat, layout, hyperparams)
-  if step is None:
-    step = schema["optimizer"]["step"]
-  return _save.save(path, _keypath.nest(flat), step=step, schema=schema, **save_options)
+  return _keypath.nest(flat), _train_layout.schema(flat, layout, hyperparams)
 
 
 def restore_train_state(

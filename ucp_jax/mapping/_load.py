@@ -44,8 +44,12 @@ class ArraysCheckpoint(Checkpoint):
 
   checksummed = False
 
-  def __init__(self, arrays: Mapping[str, Any], where: str = "arrays", **manifest_fields):
-    """`manifest_fields`: what else the manifest records (`step`, `schema`, `source`)."""
+  def __init__(
+    self, arrays: Mapping[str, Any], where: str | _location.Location = "arrays", **manifest_fields
+  ):
+    """`where`: a name, or the location of the checkpoint the arrays come from (messages and
+    reports name it); `manifest_fields`: what else the manifest records (`step`, `schema`,
+    `source`)."""
     self._arrays = {str(name): as_numpy(a) for name, a in arrays.items()}
     infos = {
       name: ArrayInfo(a.shape, a.dtype.name, tuple(max(1, d) for d in a.shape))
@@ -53,7 +57,9 @@ class ArraysCheckpoint(Checkpoint):
     }
     tree = _keypath.structure(sorted(infos))
     manifest = Manifest(arrays=infos, tree=tree, created="", **manifest_fields)
-    super().__init__(_location.resolve(f"memory://{where}/"), manifest)
+    if isinstance(where, str):
+      where = _location.resolve(f"memory://{where}/")
+    super().__init__(where, manifest)
 
   def open_future(self, key: str) -> ts.Future:
     self[key]

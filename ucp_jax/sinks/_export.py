@@ -75,6 +75,7 @@ def export(
   _registry.check_option_names(sink, options)
   sink.check_options(dst, overwrite=overwrite, **options)  # before anything is read
   opened = ckpt if isinstance(ckpt, _reader.Checkpoint) else _reader.open(ckpt)
+  opened, inferred = _schema.inferred(opened)
   naming = (opened.manifest.schema or {}).get("naming", "torch")
   if rules is not None and not sink.TORCH_NAMES:  # a sink of JAX keys (Orbax)
     raise _errors.InvalidArgumentError(
@@ -85,7 +86,7 @@ def export(
     _schema.check_jax_only(opened)
     opened = _flax_names.torch_named(opened, rules)
   report = sink.export(opened, os.fspath(dst), overwrite=overwrite, progress=progress, **options)
+  notes = [inferred] if inferred else []
   if rules is not None and naming == "torch":
-    note = "rules were not used: the checkpoint's parameters already have torch names"
-    report = dataclasses.replace(report, notes=(*report.notes, note))
-  return report
+    notes.append("rules were not used: the checkpoint's parameters already have torch names")
+  return dataclasses.replace(report, notes=(*report.notes, *notes)) if notes else report

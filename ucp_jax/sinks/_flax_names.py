@@ -9,15 +9,11 @@ exporter reads like a converted one.
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 
 from ucp_jax import _errors
 from ucp_jax.mapping._load import ArraysCheckpoint
 from ucp_jax.store import _reader
-
-_counter = itertools.count()
 
 
 def torch_named(ckpt: _reader.Checkpoint, rules) -> _reader.Checkpoint:
@@ -80,9 +76,8 @@ def torch_named(ckpt: _reader.Checkpoint, rules) -> _reader.Checkpoint:
     "params": new_params,
     "buffers": {n: f"buffers/{n}" for n in buffers},
   }
-  where = f"ucp_export_flax/{next(_counter)}"
   source = ckpt.manifest.source
-  return ArraysCheckpoint(arrays, where, step=ckpt.step, schema=new_schema, source=source)
+  return ArraysCheckpoint(arrays, ckpt.location, step=ckpt.step, schema=new_schema, source=source)
 
 
 def _tied(arrays: dict[str, np.ndarray]) -> dict[str, str]:

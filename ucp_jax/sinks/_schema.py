@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
+
 from ucp_jax import _errors
 from ucp_jax.store import _reader
 
@@ -19,10 +21,47 @@ ADAM_SLOTS = ("exp_avg", "exp_avg_sq")
 _ADAM_TYPES = ("adam", "adamw")
 
 HOW_TO_GET_A_SCHEMA = (
-  "A plain `ucp_jax.save(tree)` records none. Save the train state with the Flax/Optax "
-  "helpers (they fill `schema=`), pass `schema=` to `ucp_jax.save` yourself (docs/schema.md), "
-  "or convert a DeepSpeed checkpoint with `ucp convert` / `ucp_jax.convert`."
+  "A plain `ucp_jax.save(tree)` records none, and its keys are not a training state's "
+  "(`model/` and `optimizer/opt_state/`, or `params/` and `opt_state/`). Save the train state "
+  "with `ucp_jax.save_train_state(path, model, optimizer)` (in an Orbax manager: "
+  "`UcpSave.train_state(model, optimizer)`), pass `schema=` to `ucp_jax.save` yourself "
+  "(docs/schema.md), or convert a DeepSpeed checkpoint with `ucp convert`."
 )
+
+
+def inferred(ckpt: _reader.Checkpoint) -> tuple[_reader.Checkpoint, str | None]:
+  """`ckpt` with a schema found from its keys, and a note saying so, when it was saved without
+  one (`ucp_jax.save` or `UcpSave` of a training state's tree); else `(ckpt, None)`.
+
+  The keys are read as an Orbax checkpoint's are (`sources.orbax._train_state`): the same
+  trees, saved by either library, export alike. Hyperparameters are only found where
+  `optax.inject_hyperparams` put them in the state.
+  """
+  if ckpt.manifest.schema is not None or not isinstance(ckpt, _reader.StoredCheckpoint):
+    return ckpt, None
+  from ucp_jax.sources._source_plan import Tensor
+  from ucp_jax.sources.orbax import _train_state
+
+  def tensor(key: str) -> Tensor:
+    info = ckpt[key]
+    kind = {} if info.kind == "array" else {"kind": info.kind}
+    pieces = lambda: [np.asarray(ckpt.read(key)).reshape(-1)]  # noqa: E731  (a scalar's value)
+    return Tensor(info.shape, np.dtype(info.dtype), pieces, f"{ckpt.location}/{key}", info=kind)
+
+  found = _train_state.infer({key: tensor(key) for key in ckpt.keys()}, None).schema
+  if not found or not any(not p.get("frozen") for p in found["params"].values()):
+    return ckpt, None  # a model alone, or no optimizer state found: nothing to go on
+  manifest = dataclasses.replace(ckpt.manifest, schema=found)
+  note = (
+    "the checkpoint recorded no parameter schema: it was found from the training state's "
+    "keys (the parameters, their optimizer slots and step)"
+  )
+  if not any(found["optimizer"]["groups"]):
+    note += (
+      "; no hyperparameters are in the state (no optax.inject_hyperparams): save with "
+      "UcpSave.train_state or save_train_state to record them"
+    )
+  return _reader.StoredCheckpoint(ckpt.location, manifest, origin=ckpt.origin), note
 
 
 @dataclasses.dataclass(frozen=True)
