@@ -339,6 +339,23 @@ def test_a_hugging_face_model_trained_in_flax_exports_back_through_the_cli(tmp_p
       back(torch.from_numpy(TOKENS)).logits.numpy(), hf(torch.from_numpy(TOKENS)).logits.numpy()
     )
   assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "gemma"
+  # --config means the same on every format: --rules hf reads it (deepspeed and dcp write no
+  # config.json); without --rules hf, where nothing would read it, it is refused
+  config = ["--config", str(tmp_path / "hf" / "config.json")]
+  for format in ("deepspeed", "dcp"):
+    base = ["export", str(tmp_path / "jax"), str(tmp_path / format), "--format", format, *config]
+    assert _cli.main([*base, "--rules", "hf"]) == 0, capsys.readouterr().err
+    assert _cli.main(base) == 2
+    assert (
+      f"error: --config: the model's Hugging Face config.json, which --rules hf reads and "
+      f"--format hf writes; format '{format}' without --rules hf has no use for it"
+    ) in capsys.readouterr().err
+  zero = tmp_path / "deepspeed" / "global_step0" / "zero"
+  written = {p.name for p in zero.iterdir()}
+  assert "model.layers.0.self_attn.q_proj.weight" in written
+  for name, value in hf.state_dict().items():  # the torch names and layouts, through the rules
+    if name in written:
+      assert torch.equal(torch.load(zero / name / "fp32.pt", weights_only=True)["param"], value)
 
 
 def test_a_hugging_face_folder_restores_lazily_through_its_rules(tmp_path):

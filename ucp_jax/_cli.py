@@ -110,7 +110,11 @@ def _add_export(sub) -> None:
     "--zero-stage", type=int, choices=[1, 2, 3], help="deepspeed: target ZeRO stage (default: all)"
   )
   p.add_argument("--tag", help="deepspeed: checkpoint tag (default: global_step<N>)")
-  p.add_argument("--config", help="hf: the model's config.json (default: the one recorded)")
+  p.add_argument(
+    "--config",
+    help="the model's Hugging Face config.json, which --rules hf reads and --format hf writes "
+    "into the folder (default: the one the checkpoint recorded)",
+  )
   p.add_argument("--max-shard-size", help="hf: bytes per safetensors file (default: 5GB)")
   p.add_argument("--dtype", help="hf: cast floating-point weights (bfloat16, float16, float32)")
   p.add_argument(

@@ -198,10 +198,20 @@ def _convert_argv(args) -> list[str]:
 @_command
 def cmd_export(args, out: Console, err: Console) -> int:
   from ucp_jax.sinks import _export
+  from ucp_jax.sinks import _registry as sinks
 
   rules = _rule_specs.parse(args.rules, args.checkpoint, args.config)
-  names = ("zero_stage", "tag", "config", "max_shard_size", "dtype")
+  names = ("zero_stage", "tag", "max_shard_size", "dtype")
   options = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
+  if args.config is not None:  # the model's config.json: for the rules, the folder, or both
+    writes = "config" in sinks.option_names(sinks.get(args.format))
+    if writes:
+      options["config"] = args.config
+    elif not _rule_specs.reads_config(args.rules):
+      raise _errors.InvalidArgumentError(
+        f"--config: the model's Hugging Face config.json, which --rules hf reads and "
+        f"--format hf writes; format {args.format!r} without --rules hf has no use for it"
+      )
   options.update(_options(args.option))
   with Reporter(err, "export") as progress:
     report = _export.export(

@@ -95,6 +95,11 @@ def _import(spec: str, module: str, function: str):
     raise _errors.MappingError(f"--rules {spec!r}: module {module} has no {function!r}") from None
 
 
+def reads_config(spec: Any) -> bool:
+  """Whether the rule set `spec` names reads a Hugging Face config.json (`hf[:...]`)."""
+  return isinstance(spec, str) and spec.partition(":")[0] == "hf"
+
+
 def _hf_rule_set(spec: str, kwargs: dict, checkpoint: Any, config: str | None, flax_side: Any):
   import re
 

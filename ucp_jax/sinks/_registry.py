@@ -83,13 +83,18 @@ def get(format: str) -> Sink:
   return SINKS[format]
 
 
-def check_option_names(sink: Sink, options: dict) -> None:
-  """Raises for options the sink does not take, naming those it does."""
-  accepted = [
+def option_names(sink: Sink) -> list[str]:
+  """The options `sink` takes (the keyword-only parameters of its `check_options`)."""
+  return [
     name
     for name, p in inspect.signature(sink.check_options).parameters.items()
     if p.kind is p.KEYWORD_ONLY and name != "overwrite"
   ]
+
+
+def check_option_names(sink: Sink, options: dict) -> None:
+  """Raises for options the sink does not take, naming those it does."""
+  accepted = option_names(sink)
   unknown = sorted(set(options) - set(accepted))
   if unknown:
     raise _errors.InvalidArgumentError(
