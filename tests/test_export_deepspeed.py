@@ -216,6 +216,23 @@ def test_no_schema(tmp_path):
   assert not (tmp_path / "ds").exists()
 
 
+@needs_torch
+def test_weights_alone_get_one_line(tmp_path):
+  """A converted state dict of weights alone: one cause, one line (not one per parameter)."""
+  import torch
+
+  torch.save({f"layer{i}.weight": torch.ones(2, 2) for i in range(20)}, tmp_path / "model.pt")
+  ucp_jax.convert(tmp_path / "model.pt", tmp_path / "ckpt")
+  with pytest.raises(ucp_jax.MappingError) as e:
+    ucp_jax.export(tmp_path / "ckpt", tmp_path / "ds", format="deepspeed")
+  assert str(e.value) == (
+    f"{tmp_path / 'ckpt'}: holds weights alone (20 parameters, no optimizer state: no step, "
+    "hyperparameters or Adam moments), and a DeepSpeed checkpoint is a training state; export "
+    "the weights with --format hf or dcp, or train in JAX and save with ucp_jax.save_train_state"
+  )
+  assert not (tmp_path / "ds").exists()
+
+
 def test_every_schema_problem_listed(tmp_path):
   tree, schema = F.fixture_state("z2_fp32_dp2")
   del tree["exp_avg"]["fc1.weight"], tree["buffers"]["scale"]

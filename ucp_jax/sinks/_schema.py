@@ -120,6 +120,7 @@ def plan(ckpt: _reader.Checkpoint) -> ExportPlan:
   naming = schema.get("naming", "torch")
   _check_torch_names(ckpt, naming)
   optimizer = schema.get("optimizer")
+  _check_has_optimizer_state(ckpt, schema)
   if not isinstance(optimizer, dict):
     problems.append("no `optimizer` entry (type, step, groups)")
     optimizer = {}
@@ -179,6 +180,22 @@ class WeightsPlan:
   tied: dict[str, str]  # alias -> the parameter that holds the data
   buffers: tuple[Param, ...]
   nbytes: int
+
+
+def _check_has_optimizer_state(ckpt: _reader.Checkpoint, schema: dict) -> None:
+  """One error for a checkpoint of weights alone (a Hugging Face folder, a state dict), not
+  a problem per parameter: no optimizer entry, and no parameter with a slot."""
+  optimizer, params = schema.get("optimizer"), schema.get("params")
+  if optimizer not in (None, {}) or not isinstance(params, dict) or not params:
+    return
+  if any(isinstance(p, dict) and p.get("slots") for p in params.values()):
+    return
+  raise _errors.MappingError(
+    f"{ckpt.location}: holds weights alone ({len(params)} parameters, no optimizer state: no "
+    "step, hyperparameters or Adam moments), and a DeepSpeed checkpoint is a training state; "
+    "export the weights with --format hf or dcp, or train in JAX and save with "
+    "ucp_jax.save_train_state"
+  )
 
 
 def weights(ckpt: _reader.Checkpoint) -> WeightsPlan:
