@@ -343,7 +343,7 @@ def _past_the_end(tmp_path):
     header["b"]["data_offsets"] = [len(data), len(data) + 16]
     return json.dumps(header)
 
-  return _forged(tmp_path, edit), None, "tensor 'b': data_offsets"
+  return _forged(tmp_path, edit), None, "truncated: "
 
 
 def _overlapping(tmp_path):

@@ -290,6 +290,13 @@ def check_json_file(
   check_json_text(read_regular(path, max_bytes, error), path, error, max_bytes=max_bytes)
 
 
+def truncated(size: int | None, needed: int, detail: str = "") -> str:
+  """The words for a file cut short, the same in every format: `truncated: SIZE of NEEDED
+  bytes (DETAIL)` (`fewer than NEEDED` where the size is not known: an object store)."""
+  held = f"{size} of {needed}" if size is not None else f"fewer than {needed}"
+  return f"truncated: {held} bytes" + (f" ({detail})" if detail else "")
+
+
 def shape_problem(shape: Any, itemsize: int = 1) -> str | None:
   """Why `shape` cannot be the shape of a stored array (None if it can)."""
   if not isinstance(shape, (list, tuple)):

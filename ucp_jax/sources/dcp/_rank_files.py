@@ -69,6 +69,7 @@ def _check_spans(full: str, users: list, size: int | None) -> list[str]:
   a whole file of its own, so two spans are the same bytes (an alias) or share none."""
   problems = []
   end, last, previous = 0, None, None
+  past_end: list[int] = []  # where the entries that lie past the end of the file end
   for key, at, blob in sorted(users, key=lambda u: (u[2].stored.offset, u[2].stored.length)):
     stored = blob.stored
     stop = stored.offset + stored.length
@@ -76,10 +77,7 @@ def _check_spans(full: str, users: list, size: int | None) -> list[str]:
     if alias:  # the very bytes of the entry before: a tied weight, as ucp_jax's export writes
       continue
     if size is not None and stop > size:
-      problems.append(
-        f"{full}: `{key}`{at} is stored at bytes {stored.offset}..{stop}, past the end of the "
-        f"file ({size} bytes): truncated?"
-      )
+      past_end.append(stop)
     elif last is not None and stored.length and stored.offset < end:
       problems.append(
         f"{full}: `{key}`{at} is stored at bytes {stored.offset}..{stop}, which overlap those "
@@ -88,8 +86,11 @@ def _check_spans(full: str, users: list, size: int | None) -> list[str]:
     elif stored.length and stop > end:
       end, last = stop, (key, at)
     if len(problems) >= MAX_LISTED:
-      problems.append(f"{full}: ... (more spans past its end or overlapping)")
+      problems.append(f"{full}: ... (more overlapping spans)")
       break
+  if past_end:  # one cause, said once: the file was cut short
+    detail = f"{len(past_end)} of {len(users)} entries lie past its end"
+    problems.append(f"{full}: {_untrusted.truncated(size, max(past_end), detail)}")
   return problems
 
 

@@ -223,9 +223,8 @@ def read_remote_header(folder, name: str) -> SafetensorsFile:
     except SourceFormatError as e:
       if "past its end" not in str(e):
         raise
-      raise SourceFormatError(
-        f"{path}: the header puts tensor data up to byte {end}, past the end of the file: truncated"
-      ) from None
+      cut = _untrusted.truncated(None, end, "the header puts tensor data up to there")
+      raise SourceFormatError(f"{path}: {cut}") from None
   _files.note_size(path, max(end, 8 + length))
   return file
 
@@ -264,10 +263,19 @@ def _checked(path, size, length, raw, identity, mapped, fetch=None) -> Safetenso
   ]
   start = 8 + length
   tensors = {}
+  past_end: list[int] = []  # where the tensors that lie past the end of the file end
   for name, entry in header.items():
-    info = _tensor(path, name, entry, start, math.inf if size is None else size, problems)
+    limit = math.inf if size is None else size
+    info = _tensor(path, name, entry, start, limit, problems, past_end)
     if info is not None:
       tensors[name] = info
+  if past_end:  # one cause, said once: the file was cut short (a copy or download stopped)
+    cut = _untrusted.truncated(
+      size, max(past_end), f"{len(past_end)} of {len(header)} tensors lie past its end"
+    )
+    if not problems:
+      raise SourceFormatError(f"{path}: {cut}")
+    problems.append(cut)
   spans = sorted((t.begin, t.end, t.name) for t in tensors.values() if t.end > t.begin)
   for (_, end, first), (begin, _, second) in itertools.pairwise(spans):
     if begin < end:
@@ -315,7 +323,7 @@ def parse_json(raw: bytes, where: str, depth: int, max_bytes: int) -> tuple[obje
   return data, repeated
 
 
-def _tensor(path, name, entry, start, size, problems) -> TensorInfo | None:
+def _tensor(path, name, entry, start, size, problems, past_end) -> TensorInfo | None:
   if not isinstance(entry, dict):
     problems.append(f"tensor {shown(name)}: not a tensor entry")
     return None
@@ -336,15 +344,17 @@ def _tensor(path, name, entry, start, size, problems) -> TensorInfo | None:
     return None
   begin, end = start + offsets[0], start + offsets[1]
   expected = math.prod(shape) * dtype.itemsize
-  if not begin <= end <= size:
+  if not start <= begin <= end:
     problems.append(
-      f"tensor {shown(name)}: data_offsets {shown(offsets)} put its bytes at [{begin}, {end}), "
-      f"outside the file ({size} bytes): truncated or forged"
+      f"tensor {shown(name)}: data_offsets {shown(offsets)} put its bytes at [{begin}, {end}): "
+      "not a range of the data"
     )
   elif end - begin != expected:
     problems.append(
       f"tensor {shown(name)}: {end - begin} bytes for shape {list(shape)} of {kind} ({expected})"
     )
+  elif end > size:
+    past_end.append(end)
   else:
     return TensorInfo(name, dtype, tuple(shape), begin, end, path)
   return None
