@@ -58,9 +58,26 @@ def test_verify_ok_and_bad(ckpt, capsys):
   )
 
 
-def test_missing_checkpoint_exits_2(tmp_path, capsys):
-  assert _cli.main(["inspect", str(tmp_path / "nope")]) == 2
-  assert "no checkpoint here" in capsys.readouterr().err
+def test_a_bad_path_gets_the_same_words_from_every_command(tmp_path, capsys):
+  (tmp_path / "notes.txt").write_text("x")
+  for bad, words in (
+    ("nope", "no such file or directory"),
+    (
+      "notes.txt",
+      "a file that is no checkpoint ucp_jax reads (a checkpoint is a folder; the "
+      "files read are torch.save files and .safetensors files)",
+    ),
+  ):
+    path = str(tmp_path / bad)
+    for argv in (
+      ["inspect", path],
+      ["verify", path],
+      ["convert", path, str(tmp_path / "out")],
+      ["diff", path, path],
+      ["export", path, str(tmp_path / "out"), "--format", "hf"],
+    ):
+      assert _cli.main(argv) == 2, argv
+      assert capsys.readouterr().err == f"error: {path}: {words}\n", argv
 
 
 def test_console_script_runs(ckpt):
@@ -94,7 +111,7 @@ def test_failed_commands_print_one_line_and_commit_nothing(tmp_path, capsys):
     (["convert", src, str(tmp_path / "f" / "out")], "f is a file, not a directory"),
     (["convert", src, "memory://x"], "would vanish when ucp exits"),
     (["convert", str(FIXTURES / "tp" / "pp2" / "universal"), str(tmp_path / "u")], "TP/PP"),
-    (["verify", str(tmp_path / "f")], "a file, not a checkpoint directory"),
+    (["verify", str(tmp_path / "f")], "a file that is no checkpoint ucp_jax reads"),
   ]
   for argv, message in cases:
     assert _cli.main(argv) == 2, argv

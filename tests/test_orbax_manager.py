@@ -311,3 +311,15 @@ def test_a_plain_save_of_another_tree_says_how_to_make_it_exportable(tmp_path):
   manager.wait_until_finished()
   with pytest.raises(ucp_jax.MappingError, match=r"UcpSave\.train_state\(model, optimizer\)"):
     ucp_jax.export(tmp_path / "run" / "1" / "default", tmp_path / "hf", format="hf")
+
+
+def test_a_manager_folder_points_at_the_item_to_open_in_one_hop(tmp_path):
+  manager = _manager(tmp_path / "run")
+  for step in (1, 2):
+    manager.save(step, args=UcpSave({"w": jnp.ones(3) * step}, step=step))
+  manager.wait_until_finished()
+  with pytest.raises(ucp_jax.SourceFormatError) as e:
+    ucp_jax.open(tmp_path / "run")
+  named = str(e.value).rpartition("e.g. ")[2]
+  assert named == str(tmp_path / "run" / "2" / "default")
+  assert ucp_jax.open(named).step == 2  # the path the message names opens

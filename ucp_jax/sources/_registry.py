@@ -107,13 +107,13 @@ def find(path: str | os.PathLike, name: str | None = None) -> Source:
   Raises:
     SourceFormatError: no source recognizes `path` (the message says what each looks for).
   """
-  from ucp_jax.store import _location  # on use: the names above import no TensorStore
+  from ucp_jax.store import _location, _manifest  # on use: the names above need no TensorStore
 
   if name is not None:
     return get(name)
   text = _location.named(path)  # a kvstore spec: the URL that names it
   if "://" not in text and not os.path.exists(text):
-    raise _errors.SourceFormatError(f"{text}: no such file or directory")
+    raise _errors.SourceFormatError(_manifest.no_such_path(os.path.abspath(text)))
   source = sniff(text)
   if source is None and os.path.isfile(os.path.join(text, "manifest.json")):
     raise _errors.SourceFormatError(
@@ -121,6 +121,8 @@ def find(path: str | os.PathLike, name: str | None = None) -> Source:
       "convert; read it as it is (ucp_jax.open, ucp_jax.restore), copy it, or write another "
       "format with `ucp export`"
     )
+  if source is None and os.path.isfile(text):
+    raise _errors.SourceFormatError(_manifest.file_not_read(os.path.abspath(text)))
   if source is None:
     looked_for = "; ".join(get(n).DESCRIPTION for n in SOURCES)
     found = ""

@@ -464,6 +464,19 @@ def _root_version(location: _location.Location) -> int:
   return version if isinstance(version, int) else 0
 
 
+def no_such_path(where: str) -> str:
+  """The words for a path that does not exist, the same from every command and call."""
+  return f"{where}: no such file or directory"
+
+
+def file_not_read(where: str) -> str:
+  """The words for a file that no reader recognizes, the same from every command and call."""
+  return (
+    f"{where}: a file that is no checkpoint ucp_jax reads (a checkpoint is a folder; the files "
+    "read are torch.save files and .safetensors files)"
+  )
+
+
 def _why_missing(location: _location.Location) -> str:
   where = str(location)
   unfinished = (
@@ -474,9 +487,9 @@ def _why_missing(location: _location.Location) -> str:
     if _location.staging_dirs(location.local_dir):
       return unfinished
     if not os.path.exists(location.local_dir):
-      return f"{where}: no checkpoint here (the path does not exist)"
+      return no_such_path(where)
     if not os.path.isdir(location.local_dir):
-      return f"{where}: a file, not a checkpoint directory"
+      return file_not_read(where)
   else:
     try:
       lock = _location.kvstore(location).read(".ucp-lock").result().state == "value"  # _commit's

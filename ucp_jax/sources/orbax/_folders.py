@@ -90,7 +90,7 @@ def find(path: str, fs: _files.Files | None = None) -> Item:
     return _item_of_step(fs, path)
   steps = _steps(fs, path)
   if steps:
-    raise _errors.SourceFormatError(_root_message(path, steps))
+    raise _errors.SourceFormatError(_root_message(fs, path, steps))
   raise _errors.SourceFormatError(
     f"{path}: no {TREE_METADATA} or {OCDBT_MANIFEST}: not an Orbax checkpoint folder"
   )
@@ -227,13 +227,21 @@ def _committed_steps(fs: _files.Files, root: str) -> str:
   return f" (committed steps beside it: {', '.join(done)})" if done else ""
 
 
-def _root_message(root: str, steps: dict[str, bool]) -> str:
+def _root_message(fs: _files.Files, root: str, steps: dict[str, bool]) -> str:
   done = sorted((n for n, ok in steps.items() if ok), key=lambda n: _step_number(n) or 0)
   left = sorted(n for n, ok in steps.items() if not ok)
   unfinished = f"; not committed, so not read: {', '.join(left)}" if left else ""
   if not done:
     return f"{root}: an Orbax CheckpointManager folder with no committed step{unfinished}"
+  latest = os.path.join(root, done[-1])
+  items = [n for n in fs.listdir(latest) if fs.isfile(os.path.join(latest, n, UCP_MANIFEST))]
+  if len(items) == 1:  # saved by UcpSave: the item itself is the checkpoint (one hop, not two)
+    return (
+      f"{root}: an Orbax CheckpointManager folder with steps {', '.join(done)}{unfinished}, "
+      f"saved by ucp_jax.orbax.UcpSave: pass one step's item {items[0]!r}, e.g. "
+      f"{os.path.join(latest, items[0])}"
+    )
   return (
     f"{root}: an Orbax CheckpointManager folder with steps {', '.join(done)} (latest "
-    f"{done[-1]}){unfinished}; pass one step folder, e.g. {os.path.join(root, done[-1])}"
+    f"{done[-1]}){unfinished}; pass one step folder, e.g. {latest}"
   )
