@@ -209,6 +209,15 @@ def test_export_says_when_rules_are_not_used(tmp_path, capsys):
   assert "pass --overwrite to replace it" in capsys.readouterr().err
 
 
+def test_inspect_says_when_there_is_no_optimizer_state(tmp_path, capsys):
+  torch = pytest.importorskip("torch")
+  torch.save({"w": torch.ones(2)}, tmp_path / "model.pt")
+  assert _cli.main(["inspect", str(tmp_path / "model.pt")]) == 0
+  assert "parameters: 1 (0 frozen), named the torch way; no optimizer state (weights alone)" in (
+    capsys.readouterr().out
+  )
+
+
 def test_inspect_piped_shows_whole_keys_and_the_parameter_groups(tmp_path):
   import optax
   from flax import nnx

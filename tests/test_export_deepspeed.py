@@ -450,6 +450,24 @@ def test_sgd_has_no_zero3_layout(tmp_path):
 
 
 @needs_torch
+@pytest.mark.parametrize("kind", ["adam", "adamw"])
+def test_adam_and_adamw_stay_what_they_are(tmp_path, kind):
+  """The groups say torch's `decoupled_weight_decay` (DeepSpeed sets it on the loading group):
+  an AdamW run comes back as AdamW, an Adam run (L2 decay) as Adam."""
+  import torch
+
+  tree, schema = F.fixture_state("z1_fp32_dp2")
+  schema["optimizer"]["type"] = kind
+  for group in schema["optimizer"]["groups"]:
+    group.pop("decoupled_weight_decay", None)
+  src = ucp_jax.save(tmp_path / "ckpt", tree, schema=schema)
+  ucp_jax.export(src, tmp_path / "ds", format="deepspeed")
+  state = torch.load(tmp_path / "ds" / TAG / "zero" / "optimizer_state.pt", weights_only=True)
+  assert {g["decoupled_weight_decay"] for g in state["param_groups"]} == {kind == "adamw"}
+  assert ucp_jax.open(tmp_path / "ds").manifest.schema["optimizer"]["type"] == kind
+
+
+@needs_torch
 def test_cli(tmp_path, capsys):
   src = F.fixture_checkpoint("z3_bf16_dp3", tmp_path / "ckpt")
   assert (

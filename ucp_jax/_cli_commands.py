@@ -95,9 +95,14 @@ def _schema_lines(schema: dict | None) -> list[str]:
   params = [p for p in schema["params"].values() if isinstance(p, dict)]
   frozen = sum(1 for p in params if p.get("frozen"))
   optimizer = schema.get("optimizer") if isinstance(schema.get("optimizer"), dict) else {}
+  state = (
+    f"optimizer {optimizer['type']}, step {optimizer.get('step')}"
+    if optimizer.get("type")
+    else "no optimizer state (weights alone)"
+  )
   lines = [
     f"parameters: {len(params)} ({frozen} frozen), named the {schema.get('naming', 'torch')} "
-    f"way; optimizer {optimizer.get('type', '?')}, step {optimizer.get('step')}"
+    f"way; {state}"
   ]
   groups = optimizer.get("groups") if isinstance(optimizer.get("groups"), list) else []
   for i, group in enumerate(groups):

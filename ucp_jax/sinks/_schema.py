@@ -126,6 +126,8 @@ def plan(ckpt: _reader.Checkpoint) -> ExportPlan:
     optimizer = {}
   groups = _groups(optimizer.get("groups"), problems)
   opt_type = str(optimizer.get("type", "adamw")).lower()
+  if opt_type in ("adam", "adamw"):  # torch's key for it: DeepSpeed sets it on the loading group
+    groups = [{"decoupled_weight_decay": opt_type == "adamw", **g} for g in groups]
   step = optimizer.get("step")
   if isinstance(step, bool) or not isinstance(step, int) or step < 0:
     problems.append(f"optimizer step {step!r}: expected an integer >= 0")
