@@ -137,6 +137,15 @@ def flax_train_state(ns, here):
   )
 
 
+@check
+def auto_mesh(ns, here):
+  kernel = ns["model"].fc.kernel[...]
+  assert kernel.sharding.mesh.axis_types == (jax.sharding.AxisType.Auto,) * 2
+  assert kernel.sharding.spec == P(None, "model")
+  np.testing.assert_array_equal(np.asarray(kernel), ucp_jax.open("ckpt").read("model/fc/kernel"))
+  assert ns["abstract"].fc.kernel.sharding.spec == P(None, "model")
+
+
 @setup()
 def gpt_converted(here):
   """`path`: a torch-named checkpoint of a GPT-2 (12 heads, tiny), as `ucp convert` writes;
