@@ -1,5 +1,6 @@
 """The `ucp` command line, run as a user runs it."""
 
+import importlib.util
 import json
 import os
 import re
@@ -99,6 +100,12 @@ def test_demo_small(tmp_path, capsys):
   rows = [line.split()[0] for line in out.splitlines() if re.match(r" +\d+ +\d", line)]
   assert rows == ["0", "1", "2", "3", "4", "5"], out  # the last step once
   assert ucp_jax.open(tmp_path / "demo" / "ckpt_leg2").step == 4
+  assert "ucp demo: 2 runs of 6 steps" in out and "(about 5 s on 2 CPU cores" in out
+  plot = tmp_path / "demo" / "losses.png"
+  if importlib.util.find_spec("matplotlib") is None:
+    assert "plot skipped: matplotlib is not installed" in out and not plot.exists()
+  else:
+    assert f"loss curves: {plot}" in out and plot.read_bytes().startswith(b"\x89PNG")
 
 
 FIXTURES = Path(__file__).parent / "fixtures"
