@@ -56,7 +56,7 @@ def test_error_hierarchy():
 
 
 def test_missing_checkpoint(tmp_path):
-  with pytest.raises(ucp_jax.CheckpointNotFoundError, match="nope: no such file or directory$"):
+  with pytest.raises(ucp_jax.CheckpointNotFoundError, match=r"nope: no such file or directory$"):
     ucp_jax.open(tmp_path / "nope")
   (tmp_path / "empty").mkdir()
   with pytest.raises(ucp_jax.CheckpointNotFoundError, match=r"manifest\.json is missing"):
