@@ -363,7 +363,9 @@ def test_missing_array_metadata_is_named_without_tensorstore_spec(ckpt, tmp_path
 
 def test_paths_that_cannot_hold_a_checkpoint(tmp_path):
   (tmp_path / "f").write_text("x")
-  with pytest.raises(ucp_jax.CheckpointNotFoundError, match="a file that is no checkpoint ucp_jax reads"):
+  with pytest.raises(
+    ucp_jax.CheckpointNotFoundError, match="a file that is no checkpoint ucp_jax reads"
+  ):
     ucp_jax.open(tmp_path / "f")
   with pytest.raises(ucp_jax.CheckpointExistsError, match=r"f is a file, not a directory"):
     ucp_jax.save(tmp_path / "f" / "sub" / "c", {"a": np.ones(1)})

@@ -381,7 +381,11 @@ def test_unknown_formats(tmp_path):
   _fails(tmp_path / "empty", tmp_path / "out", "Looked for: a DeepSpeed checkpoint folder")
   (tmp_path / "empty" / "weights.dat").write_bytes(b"x")
   _fails(tmp_path / "empty", tmp_path / "out", "universal folder", "Found: weights.dat")
-  _fails(tmp_path / "empty" / "weights.dat", tmp_path / "out", "weights.dat: a file that is no checkpoint ucp_jax reads")
+  _fails(
+    tmp_path / "empty" / "weights.dat",
+    tmp_path / "out",
+    "weights.dat: a file that is no checkpoint ucp_jax reads",
+  )
   (tmp_path / "empty" / "latest").write_text("global_step9")
   _fails(tmp_path / "empty", tmp_path / "out", "names the tag 'global_step9'")
 

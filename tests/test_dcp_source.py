@@ -285,7 +285,9 @@ def test_a_truncated_rank_file(tmp_path):
   bad = _copy(tmp_path)
   with open(bad / "__0_0.distcp", "r+b") as f:
     f.truncate(50000)
-  message = _refused(bad, tmp_path, "__0_0.distcp: truncated: 50000 of ", "entries lie past its end)")
+  message = _refused(
+    bad, tmp_path, "__0_0.distcp: truncated: 50000 of ", "entries lie past its end)"
+  )
   assert len(message.splitlines()) == 1  # one cause: one line
 
 
