@@ -174,8 +174,25 @@ def test_progress_lines_where_stderr_is_not_a_terminal(ckpt, capsys, monkeypatch
   monkeypatch.setattr(_progress.Reporter, "interval", 0.0)
   assert _cli.main(["verify", str(ckpt)]) == 0
   lines = capsys.readouterr().err.splitlines()
-  assert lines[-1] == "verify: 168 B of 168 B (100%), at step", lines
+  assert re.fullmatch(r"verify: 168 B of 168 B \(100%\) in \d+ s, at step", lines[-1]), lines
   assert all(line.startswith("verify: ") for line in lines)
+
+
+def test_a_progress_log_says_it_is_alive_while_a_large_item_runs(capsys):
+  """Between the lines of finished items, the ticker's line says how long it has run (called
+  here directly, as the ticker does after `interval` seconds without a line)."""
+  from rich.console import Console
+
+  err = Console(stderr=True, force_terminal=False, soft_wrap=True)  # as the command's
+  with _progress.Reporter(err, "convert", total=1000) as progress:
+    progress.update("small", 30)
+    progress.beat()
+  lines = capsys.readouterr().err.splitlines()
+  assert re.fullmatch(
+    r"convert: 30 B of 1000 B \(3%\) in \d+ s, working on the next item \(each reports when "
+    r"it is done\)",
+    lines[-1],
+  ), lines
 
 
 def test_staging_directory_is_refused(ckpt, tmp_path, capsys):
