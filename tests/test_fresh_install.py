@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import venv
 from pathlib import Path
 
-import pytest
-
 import doc_blocks
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,11 +26,7 @@ def _base_groups() -> list[int]:
 
   blocks, _ = doc_blocks.parse("README.md")
   found, _ = doc_blocks.groups(blocks)
-  return [
-    g.line
-    for g in found
-    if not any(doc_fixtures.SETUPS[name].requires for name in g.setups)
-  ]
+  return [g.line for g in found if not any(doc_fixtures.SETUPS[name].requires for name in g.setups)]
 
 
 @pytest.mark.slow
@@ -60,9 +54,9 @@ def test_the_readme_in_a_fresh_venv_with_the_documented_install(tmp_path):
   assert "plot skipped: matplotlib is not installed (pip install matplotlib)" in demo.stdout
   lines = _base_groups()
   assert len(lines) >= 4, lines  # the screenful, Flax, rule sets, the training loop
+  script, groups = str(ROOT / "tests" / "doc_blocks.py"), ",".join(map(str, lines))
   blocks = subprocess.run(
-    [python, str(ROOT / "tests" / "doc_blocks.py"), "README.md"]
-    + ["--lines", ",".join(map(str, lines)), "--dir", str(tmp_path / "blocks")],
+    [python, script, "README.md", "--lines", groups, "--dir", str(tmp_path / "blocks")],
     capture_output=True,
     text=True,
     env=environment,
@@ -71,6 +65,9 @@ def test_the_readme_in_a_fresh_venv_with_the_documented_install(tmp_path):
   assert blocks.returncode == 0 and blocks.stdout.endswith("all ran\n"), (
     blocks.stdout[-4000:] + blocks.stderr[-4000:]
   )
-  assert "pytest" not in subprocess.run(
-    [python, "-m", "pip", "list"], capture_output=True, text=True, env=environment
-  ).stdout.lower()  # the examples ran without the test extras
+  assert (
+    "pytest"
+    not in subprocess.run(
+      [python, "-m", "pip", "list"], capture_output=True, text=True, env=environment
+    ).stdout.lower()
+  )  # the examples ran without the test extras
