@@ -251,7 +251,7 @@ def test_deep_metadata_on_an_object_store_is_refused(tmp_path):
 
   url = "memory://hostile_ucp/"
   ucp_jax.save(url, {"a": A}, overwrite=True)
-  store = ts.KvStore.open(url, context=_location.CONTEXT).result()
+  store = ts.KvStore.open(url, context=_location.context()).result()
   data = ucp_jax.open(url).manifest.data  # arrays live below a prefix of their save
   store.write(f"{data}a/zarr.json", DEEP.encode()).result()
   assert "nested 100000 levels deep" in ucp_jax.open(url).verify()["a"]

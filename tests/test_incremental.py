@@ -359,7 +359,7 @@ def test_array_metadata_written_without_tensorstore_is_what_tensorstore_writes(t
       chunks=info.chunks,
       bundle=info.bundle,
     )
-    ts.open(spec, context=_location.CONTEXT).result()
+    ts.open(spec, context=_location.context()).result()
     expected = (tmp_path / "ts" / key / "zarr.json").read_bytes()
     assert (tmp_path / "two" / key / "zarr.json").read_bytes() == expected, key
   assert ucp_jax.open(tmp_path / "two")["b"].bundle is not None

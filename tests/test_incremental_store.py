@@ -21,7 +21,7 @@ def _root() -> str:
 
 
 def _store(url: str):
-  return ts.KvStore.open(url.rstrip("/") + "/", context=_location.CONTEXT).result()
+  return ts.KvStore.open(url.rstrip("/") + "/", context=_location.context()).result()
 
 
 def _keys(url: str) -> list[str]:

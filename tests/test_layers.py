@@ -154,6 +154,7 @@ def test_the_converters_and_the_cli_start_without_jax():
 
 _COMMANDS_OF_FILES = r"""
 import json, sys
+sys.argv[0] = "/venv/bin/ucp"  # as the console script starts: each command imports its needs
 from ucp_jax import _cli
 
 heavy = ("jax", "flax", "optax", "orbax")
@@ -170,6 +171,8 @@ def test_no_command_of_files_imports_jax(tmp_path):
   Flax-named checkpoint's export and diff, mapped back by a rule set, neither."""
   import json
 
+  import ml_dtypes
+  import numpy as np
   import optax
   import pytest
   from flax import nnx
@@ -185,7 +188,14 @@ def test_no_command_of_files_imports_jax(tmp_path):
   ucp_jax.save_train_state(tmp_path / "flax", model, optimizer)
   rules = f"gpt2:num_heads={sizes['num_heads']}"
   ours, flax = str(tmp_path / "ours"), str(tmp_path / "flax")
+  bf16 = Path(__file__).parent / "fixtures" / "deepspeed" / "z1_bf16_dp2" / "ckpt"
+  half = str(tmp_path / "half")  # bfloat16 and float8 arrays: numpy must know their names
+  ucp_jax.save(half, {"w": np.ones((2, 3), ml_dtypes.bfloat16), "f": np.ones(4, "float8_e5m2")})
   commands = [
+    ["inspect", str(bf16)],  # a bfloat16 DeepSpeed checkpoint, read in place
+    ["verify", str(bf16)],
+    ["verify", half],
+    ["diff", half, half],
     ["convert", str(fixture / "ckpt"), ours],
     ["inspect", ours],
     ["inspect", str(fixture / "ckpt")],
@@ -209,16 +219,50 @@ def test_no_command_of_files_imports_jax(tmp_path):
     assert result["loaded"] == [], f"`ucp {' '.join(result['argv'])}` imported {result['loaded']}"
 
 
-def test_help_and_version_import_no_tensorstore():
-  """`ucp --help` and `ucp --version` start at once: TensorStore (with ml_dtypes, half a second
-  of CPU on its own) loads only for a command that reads a checkpoint."""
+def test_help_version_and_inspect_import_no_tensorstore(tmp_path):
+  """`ucp --help`, `ucp --version` and `ucp inspect` of a local checkpoint start at once:
+  TensorStore and ml_dtypes (half a second of CPU together) load only for a command that
+  reads arrays. The dtypes a manifest names are known without them (`STORED_DTYPES`)."""
+  import ml_dtypes
+  import numpy as np
+
+  import ucp_jax
+
+  ckpt = tmp_path / "ckpt"
+  ucp_jax.save(ckpt, {"w": np.ones((2, 3), ml_dtypes.bfloat16), "f8": np.zeros(4, "float8_e4m3fn")})
   code = (
-    "import contextlib, io, sys\n"
+    "import contextlib, io, json, sys\n"
+    "sys.argv[0] = '/venv/bin/ucp'\n"  # as the console script starts
     "from ucp_jax import _cli\n"
-    "for argv in (['--help'], ['--version'], ['convert', '--help'], ['export', '--help']):\n"
-    "  with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+    "out = io.StringIO()\n"
+    "for argv in (['--help'], ['--version'], ['convert', '--help'], ['export', '--help'],\n"
+    f"             ['inspect', {str(ckpt)!r}], ['inspect', {str(ckpt)!r}, '--json']):\n"
+    "  with contextlib.suppress(SystemExit), contextlib.redirect_stdout(out):\n"
     "    _cli.main(argv)\n"
-    "print(sorted(m for m in ('tensorstore', 'ml_dtypes', 'jax', 'torch') if m in sys.modules))"
+    "print(json.dumps(sorted(m for m in ('tensorstore', 'ml_dtypes', 'jax', 'torch') if m in sys.modules)))\n"
+    "print(json.dumps(out.getvalue()))"
   )
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-  assert out.stdout.strip() == "[]", out.stderr
+  run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  loaded, shown = run.stdout.splitlines()
+  assert loaded == "[]", run.stderr
+  assert "bfloat16" in shown and "float8_e4m3fn" in shown and '\\"bytes\\": 12' in shown, shown
+
+
+def test_the_stored_dtypes_are_what_numpy_and_tensorstore_accept():
+  import ml_dtypes
+  import numpy as np
+  import tensorstore as ts
+
+  from ucp_jax.store import _manifest
+
+  accepted = {}
+  numpy_names = {np.dtype(t).name for t in set(np.sctypeDict.values())}
+  for name in sorted(numpy_names | {n for n in dir(ml_dtypes) if n[0] != "_"}):
+    try:
+      dtype = np.dtype(name)
+      ts.dtype(name)
+    except (TypeError, ValueError, AttributeError):
+      continue
+    if dtype.name == name and not dtype.hasobject and dtype.kind not in "SUMm":
+      accepted[name] = dtype.itemsize
+  assert accepted == _manifest.STORED_DTYPES

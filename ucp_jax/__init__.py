@@ -5,7 +5,10 @@ TensorStore, plus a manifest), never the layout that wrote them: save from any
 mesh, restore onto any other, and convert PyTorch/DeepSpeed checkpoints in and out.
 """
 
-from ucp_jax import _startup  # noqa: F401  (first: Ctrl-C while the `ucp` command starts)
+from ucp_jax import _startup  # first: Ctrl-C while the `ucp` command starts
+
+if not _startup.IS_CLI:  # numpy knows bfloat16 and the float8 types by name from here on
+  import ml_dtypes  # noqa: F401  (the `ucp` command imports it for the commands that read arrays)
 from ucp_jax._errors import ArrayNotFoundError as ArrayNotFoundError
 from ucp_jax._errors import CheckpointExistsError as CheckpointExistsError
 from ucp_jax._errors import CheckpointNotFoundError as CheckpointNotFoundError
@@ -36,6 +39,8 @@ _register_zarr_dtypes()  # zarr-python reads bfloat16 and float8 arrays
 
 def _open_other_format(path, source):
   """`ucp_jax.open` of any source format (the sources load on first use)."""
+  import ml_dtypes  # noqa: F401  (what the sources read may be bfloat16)
+
   from ucp_jax.sources import _view
 
   return _view.open_source(path, source)

@@ -165,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Console(
       highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else _PIPED_WIDTH
     )
+    if args.command != "inspect":  # inspect reads a manifest: names, shapes, sizes
+      import ml_dtypes  # noqa: F401  (numpy knows bfloat16 and the float8 types by name)
     from ucp_jax import _cli_commands  # after parsing: `ucp --help` imports no TensorStore
 
     with _native_logs.filtered():

@@ -11,6 +11,8 @@ import signal
 import sys
 
 _CLI = bool(sys.argv) and os.path.basename(sys.argv[0]) in ("ucp", "ucp.exe")
+IS_CLI = _CLI
+"""Whether this process is the `ucp` command (which imports what each command needs)."""
 _previous = None
 
 

@@ -88,7 +88,7 @@ def lazy_store(
         "cache_pool": {"total_bytes_limit": CELL_CACHE_BYTES},
         "data_copy_concurrency": {"limit": CELL_READS},
       },
-      parent=_location.CONTEXT,
+      parent=_location.context(),
     )
   layout = ts.ChunkLayout(read_chunk_shape=[max(1, c) for c in cells]) if shape else None
   return ts.virtual_chunked(

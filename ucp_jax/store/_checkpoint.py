@@ -17,10 +17,11 @@ import re
 from typing import Any
 
 import numpy as np
-import tensorstore as ts
 
 from ucp_jax import _errors
-from ucp_jax.store import _location, _manifest, _untrusted, _zarr
+from ucp_jax.store import _lazy, _location, _manifest, _untrusted, _zarr
+
+ts = _lazy.tensorstore
 
 
 class Checkpoint(abc.ABC):

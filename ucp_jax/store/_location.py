@@ -16,11 +16,10 @@ import os
 import re
 import weakref
 
-import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with numpy)
-import tensorstore as ts
-
 from ucp_jax import _errors
-from ucp_jax.store import _untrusted
+from ucp_jax.store import _lazy, _untrusted
+
+ts = _lazy.tensorstore
 
 _URL_SCHEMES = ("file://", "memory://", "gs://", "s3://", "gcs://")
 
@@ -29,24 +28,28 @@ REQUEST_RETRIES = {"max_retries": 4, "initial_delay": "0.25s", "max_delay": "2s"
 429, 5xx, resets and stalls, with exponential backoff. A kvstore spec's own `context`
 (`s3_request_retries`, `gcs_request_retries`) overrides them."""
 
-# One context for the whole process: `memory://` checkpoints live as long as it does,
-# and every open shares its cache and concurrency limits. Files written through it are
-# fsynced (`file_io_sync`); NONDURABLE, a child that shares everything else, is for
-# saves that opt out.
-CONTEXT = ts.Context(
-  {
-    "file_io_sync": True,
-    "file_io_concurrency": {"limit": max(8, 2 * (os.cpu_count() or 1))},
-    "cache_pool": {"total_bytes_limit": 0},
-    "gcs_request_retries": REQUEST_RETRIES,
-    "s3_request_retries": REQUEST_RETRIES,
-  }
-)
-NONDURABLE = ts.Context({"file_io_sync": False}, parent=CONTEXT)
-
 
 def context(durable: bool = True) -> ts.Context:
-  return CONTEXT if durable else NONDURABLE
+  """The process's TensorStore context (`durable=False`: its child without fsyncs)."""
+  return _contexts()[0 if durable else 1]
+
+
+@functools.cache
+def _contexts() -> tuple[ts.Context, ts.Context]:
+  # One context for the whole process: `memory://` checkpoints live as long as it does,
+  # and every open shares its cache and concurrency limits. Files written through it are
+  # fsynced (`file_io_sync`); the second, a child that shares everything else, is for
+  # saves that opt out.
+  durable = ts.Context(
+    {
+      "file_io_sync": True,
+      "file_io_concurrency": {"limit": max(8, 2 * (os.cpu_count() or 1))},
+      "cache_pool": {"total_bytes_limit": 0},
+      "gcs_request_retries": REQUEST_RETRIES,
+      "s3_request_retries": REQUEST_RETRIES,
+    }
+  )
+  return durable, ts.Context({"file_io_sync": False}, parent=durable)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,6 @@ from typing import Any
 
 import crc32c
 import numpy as np
-import tensorstore as ts
 
 from ucp_jax import _errors
 from ucp_jax.store import (
@@ -24,6 +23,7 @@ from ucp_jax.store import (
   _chunks,
   _commit,
   _direct,
+  _lazy,
   _location,
   _manifest,
   _other_formats,
@@ -34,6 +34,8 @@ from ucp_jax.store import (
   _zarr,
 )
 from ucp_jax.store._checkpoint import Checkpoint
+
+ts = _lazy.tensorstore
 
 
 class StoredCheckpoint(Checkpoint):
@@ -251,7 +253,7 @@ def _virtual(info: _manifest.ArrayInfo, read_chunk) -> ts.TensorStore:
     dtype=ts.dtype(info.dtype),
     shape=info.shape,
     chunk_layout=layout,
-    context=_location.CONTEXT,
+    context=_location.context(),
   )
 
 

@@ -11,13 +11,13 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with numpy)
 import numpy as np
-import tensorstore as ts
 
 from ucp_jax import _errors
-from ucp_jax.store import _untrusted
+from ucp_jax.store import _lazy, _untrusted
 from ucp_jax.store._location import Location, context, error_text, read_small
+
+ts = _lazy.tensorstore
 
 CHUNK_BYTES = 4 << 20
 """Largest chunk written: small enough that a restore onto another mesh reads little extra."""

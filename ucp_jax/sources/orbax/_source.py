@@ -132,7 +132,7 @@ def _open_all(meta: _tree_metadata.TreeMetadata, folder: dict) -> dict[str, Tens
   `folder` is the kvstore spec of the item folder.
   """
   # Resources it does not name (a `memory://` store's data, credentials) are ucp_jax's own.
-  context = ts.Context(_CONTEXT, parent=_location.CONTEXT)
+  context = ts.Context(_CONTEXT, parent=_location.context())
   document = "zarr.json" if meta.use_zarr3 else ".zarray"
   inside = " in the OCDBT database" if meta.use_ocdbt else ""
   shown = {leaf.name: f"{meta.folder}/{leaf.shown}/{document}{inside}" for leaf in meta.leaves}
