@@ -31,7 +31,7 @@ from ucp_jax._errors import TreeMismatchError as TreeMismatchError
 from ucp_jax._errors import UcpError as UcpError
 from ucp_jax._errors import UnsafePickleError as UnsafePickleError
 from ucp_jax._errors import UnsupportedLeafError as UnsupportedLeafError
-from ucp_jax.store import _other_formats
+from ucp_jax.store import _lazy, _other_formats
 from ucp_jax.store._zarr_python import register_when_imported as _register_zarr_dtypes
 
 _register_zarr_dtypes()  # zarr-python reads bfloat16 and float8 arrays
@@ -75,20 +75,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-  if name not in _LAZY:
-    raise AttributeError(f"module 'ucp_jax' has no attribute {name!r}")
-  import importlib
-
-  module, attr = _LAZY[name]
-  value = importlib.import_module(module)
-  value = value if attr is None else getattr(value, attr)
-  globals()[name] = value
-  return value
-
-
-def __dir__() -> list[str]:
-  return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = _lazy.attributes("ucp_jax", globals(), _LAZY)
 
 
 __version__ = "0.1.0"

@@ -6,6 +6,10 @@ Every subclass is also the builtin exception a caller would expect
 
 from __future__ import annotations
 
+import reprlib
+from collections.abc import Sequence
+from typing import Any
+
 
 class UcpError(Exception):
   """Base class of every error ucp_jax raises on purpose."""
@@ -105,3 +109,46 @@ def bullet_list(lines: list[str], limit: int = 50) -> str:
   if len(lines) > limit:
     shown.append(f"  ... and {len(lines) - limit} more")
   return "\n".join(shown)
+
+
+# Foreign input in messages: one way to show a value, a name, a listing, and to raise what
+# was collected, so that a hostile name looks the same whichever format or layer met it.
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, 76, 76, 40
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxset = _REPR.maxfrozenset = _REPR.maxdict = 6
+SHOWN_CHARS = 80
+"""The most characters a value takes in a message."""
+
+
+def shown(value: Any) -> str:
+  """`value` as a message shows it, however large, deep or hostile: a repr bounded while it
+  is built (a list of millions, a nesting thousands deep), control and bidi characters
+  escaped (repr escapes what is not printable), at most `SHOWN_CHARS` characters."""
+  return clipped(_REPR.repr(value))
+
+
+def clipped(text: str) -> str:
+  """`text` (already escaped) cut to `SHOWN_CHARS` characters, "..." marking the cut."""
+  return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."
+
+
+def named(text: str) -> str:
+  """A name from foreign input (a file, a key) on one line: as it is when printable, else
+  its repr (a newline, a terminal escape or a bidi override shown escaped)."""
+  return text if text.isprintable() else repr(text)
+
+
+def listed(names: Sequence[str], limit: int = 12) -> str:
+  """The first `limit` of `names`, each `named`, comma-separated ("nothing" when none)."""
+  shown_names = ", ".join(named(n) for n in names[:limit])
+  return (shown_names + (" ..." if len(names) > limit else "")) or "nothing"
+
+
+def raise_problems(error: type[UcpError], header: str, problems: Sequence[str]) -> None:
+  """Raises `error` for the problems collected, if any: `header: problem` for one, the
+  header above a bullet list for several."""
+  if len(problems) == 1:
+    raise error(f"{header}: {problems[0]}")
+  if problems:
+    raise error(f"{header}:\n{bullet_list(list(problems))}")

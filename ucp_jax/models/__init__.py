@@ -12,6 +12,7 @@ caller may override; `ucp_jax.rules.load_into` then fills it, each device readin
 """
 
 from ucp_jax.models import _hf_moe as _hf_moe  # registers the MoE families' configs
+from ucp_jax.store import _lazy
 
 # The Flax models load on first use (PEP 562): the configs (`_configs`) and the Hugging Face
 # config reader (`_hf`) import no JAX, so converting and exporting checkpoints never does.
@@ -28,20 +29,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-  if name not in _LAZY:
-    raise AttributeError(f"module 'ucp_jax.models' has no attribute {name!r}")
-  import importlib
-
-  module, attr = _LAZY[name]
-  value = importlib.import_module(module)
-  value = value if attr is None else getattr(value, attr)
-  globals()[name] = value
-  return value
-
-
-def __dir__() -> list[str]:
-  return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = _lazy.attributes("ucp_jax.models", globals(), _LAZY)
 
 
 __all__ = ["AXIS_RULES", "MODELS", "build", "gpt", "llama", "moe", "neox", "shardings"]

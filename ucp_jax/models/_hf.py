@@ -17,9 +17,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ucp_jax import _errors
+from ucp_jax._errors import shown
 from ucp_jax.models import _configs, _hf_rope
 from ucp_jax.models._hf_reader import MAX_SIZE as MAX_SIZE
-from ucp_jax.models._hf_reader import Reader, is_int, shown
+from ucp_jax.models._hf_reader import Reader, is_int
 
 MAX_LAYER_LIST = 1 << 16
 """The most layers a config may mix sliding and full attention over (a per-layer list)."""

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ucp_jax._errors import shown
 from ucp_jax.models import _configs, _hf, _hf_rope
-from ucp_jax.models._hf_reader import MAX_SIZE, Reader, is_int, shown
+from ucp_jax.models._hf_reader import MAX_SIZE, Reader, is_int
 
 _MOE = {"hidden_act": "silu", "tie_word_embeddings": False, "num_experts_per_tok": 2}
 _SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")

@@ -40,11 +40,6 @@ ACTIVATIONS = {
 _ABSENT = object()
 
 
-def shown(value: Any) -> str:
-  text = repr(value)
-  return text if len(text) <= 60 else text[:57] + "..."
-
-
 def is_int(value: Any, low: int, high: int) -> bool:
   return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
@@ -82,7 +77,7 @@ class Reader:
   def checked(self, key: str, value: Any, ok: bool, what: str, fallback: Any) -> Any:
     if value is None or ok:
       return value
-    self.problems.append(f"`{key}`: {shown(value)} is not {what}")
+    self.problems.append(f"`{key}`: {_errors.shown(value)} is not {what}")
     return fallback
 
   def size(self, key: str, fallback: Any = None) -> int:
@@ -142,7 +137,9 @@ class Reader:
     name = self.text(key)
     if name not in ACTIVATIONS:
       if name is not None or self.present(key):
-        self.problems.append(f"`{key}`: {shown(name)} is not one of {', '.join(ACTIVATIONS)}")
+        self.problems.append(
+          f"`{key}`: {_errors.shown(name)} is not one of {', '.join(ACTIVATIONS)}"
+        )
       return "silu"
     return ACTIVATIONS[name]
 

@@ -17,8 +17,9 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from ucp_jax._errors import shown
 from ucp_jax.models import _configs
-from ucp_jax.models._hf_reader import Reader, is_int, is_number, shown
+from ucp_jax.models._hf_reader import Reader, is_int, is_number
 
 Rope = tuple[float, "dict | None", float]
 """theta, the scaling for `ucp_jax.models._rope` (None: plain RoPE), partial rotary factor."""

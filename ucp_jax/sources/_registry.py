@@ -127,9 +127,7 @@ def find(path: str | os.PathLike, name: str | None = None) -> Source:
     looked_for = "; ".join(get(n).DESCRIPTION for n in SOURCES)
     found = ""
     if os.path.isdir(text):
-      names = sorted(os.listdir(text))
-      shown = ", ".join(names[:12]) + (" ..." if len(names) > 12 else "")
-      found = f". Found: {shown or 'nothing'}"
+      found = f". Found: {_errors.listed(sorted(os.listdir(text)))}"
     raise _errors.SourceFormatError(
       f"{text}: not a checkpoint ucp_jax reads. Looked for: {looked_for}{found}"
     )

@@ -31,3 +31,23 @@ class _Module:
 tensorstore: Any = _Module("tensorstore", "ml_dtypes")
 """The `tensorstore` module, imported on first use (with ml_dtypes: numpy then knows
 `bfloat16` and the float8 types by name)."""
+
+
+def attributes(module: str, namespace: dict[str, Any], table: dict[str, tuple[str, str | None]]):
+  """A package's `__getattr__` and `__dir__` (PEP 562) for the names of `table`, each loaded
+  on first use: name -> (module, attribute, or None for the module itself), then kept in
+  `namespace` (the package's globals)."""
+
+  def __getattr__(name: str) -> Any:
+    if name not in table:
+      raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    where, attr = table[name]
+    value = importlib.import_module(where)
+    value = value if attr is None else getattr(value, attr)
+    namespace[name] = value
+    return value
+
+  def __dir__() -> list[str]:
+    return sorted(set(namespace) | set(table))
+
+  return __getattr__, __dir__

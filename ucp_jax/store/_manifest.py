@@ -222,7 +222,7 @@ class Manifest:
     version = data.get("format_version")
     if version not in READABLE_VERSIONS or isinstance(version, bool):
       raise _errors.ManifestError(
-        f"{where}: format version {_short(version)}; this ucp_jax reads versions "
+        f"{where}: format version {_errors.shown(version)}; this ucp_jax reads versions "
         f"{', '.join(map(str, READABLE_VERSIONS))}. Upgrade ucp_jax to read it."
       )
     if version >= 2:
@@ -276,13 +276,13 @@ def _top_problem(data: dict) -> str | None:
       continue
     value = data.get(name)
     if not isinstance(value, types) or (name == "step" and isinstance(value, bool)):
-      return f'"{name}" is {_short(value)}, not {what}'
+      return f'"{name}" is {_errors.shown(value)}, not {what}'
   prefix = data.get("data", "")
   if prefix != "" and not _DATA_PREFIX.match(prefix):
-    return f"data prefix {_short(prefix)}"
+    return f"data prefix {_errors.shown(prefix)}"
   token = data.get("token", "")
   if token != "" and not _TOKEN.match(token):
-    return f"token {_short(token)} (16 hex digits)"
+    return f"token {_errors.shown(token)} (16 hex digits)"
   return _pool_problem(data)
 
 
@@ -292,7 +292,7 @@ def _pool_problem(data: dict) -> str | None:
   prefix, and every array then names its generation there (and only then)."""
   pool = data.get("pool", "")
   if pool and not _POOL.match(pool):
-    return f"pool {_short(pool)} (a .ucp-pool folder of one of the first 8 ancestors)"
+    return f"pool {_errors.shown(pool)} (a .ucp-pool folder of one of the first 8 ancestors)"
   if pool and (data.get("format_version") != POOLED_VERSION or data.get("data")):
     return "a pool in a manifest that is not of version 4, or that has a data prefix too"
   if data.get("format_version") == POOLED_VERSION and not pool:
@@ -300,13 +300,8 @@ def _pool_problem(data: dict) -> str | None:
   for key, entry in data["arrays"].items():
     at = entry.get("at") if isinstance(entry, dict) else None
     if (at is not None) != bool(pool) or (at is not None and not _DATA_PREFIX.match(str(at))):
-      return f"array `{_short(key)}` at {_short(at)} (a pool generation, in pooled manifests only)"
+      return f"array `{_errors.shown(key)}` at {_errors.shown(at)} (a pool generation, in pooled manifests only)"
   return None
-
-
-def _short(value: Any) -> str:
-  text = repr(value)
-  return text if len(text) <= 60 else text[:57] + "..."
 
 
 def seal(data: dict) -> bytes:
@@ -416,9 +411,11 @@ _KINDS = {"array": None, "scalar": ("bool", "int", "float", "complex"), "prng_ke
 def _fields_problem(info: ArrayInfo) -> str | None:
   """Why the descriptive fields of an entry cannot be what a save wrote."""
   if info.kind not in _KINDS:
-    return f"kind {_short(info.kind)} (one of {', '.join(_KINDS)})"
+    return f"kind {_errors.shown(info.kind)} (one of {', '.join(_KINDS)})"
   if info.kind == "scalar" and info.python_type not in _KINDS["scalar"]:
-    return f"a scalar's python_type {_short(info.python_type)} (one of bool, int, float, complex)"
+    return (
+      f"a scalar's python_type {_errors.shown(info.python_type)} (one of bool, int, float, complex)"
+    )
   if info.kind == "scalar" and info.shape:
     return f"a scalar with shape {list(info.shape)}"
   if info.kind != "scalar" and info.python_type is not None:
@@ -437,7 +434,7 @@ def _attach_checksums(info: ArrayInfo, text: Any, hashes: Any = None) -> ArrayIn
   if not isinstance(text, str):
     return "no chunk checksums (chunk_crc32c)"
   if hashes is not None and not isinstance(hashes, str):
-    return f"chunk hashes (chunk_sha256) {_short(hashes)}"
+    return f"chunk hashes (chunk_sha256) {_errors.shown(hashes)}"
   try:
     table = _chunks.decode(text, info.shape, info.chunks)
     hashed = None if hashes is None else _chunks.decode_hashes(hashes, info.shape, info.chunks)

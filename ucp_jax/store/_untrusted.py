@@ -300,22 +300,17 @@ def truncated(size: int | None, needed: int, detail: str = "") -> str:
 def shape_problem(shape: Any, itemsize: int = 1) -> str | None:
   """Why `shape` cannot be the shape of a stored array (None if it can)."""
   if not isinstance(shape, (list, tuple)):
-    return f"shape {_short(shape)} is not a list of sizes"
+    return f"shape {_errors.shown(shape)} is not a list of sizes"
   if len(shape) > MAX_RANK:
     return f"a shape of {len(shape)} dimensions (at most {MAX_RANK})"
   if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-    return f"shape {_short(shape)} is not a list of sizes"
+    return f"shape {_errors.shown(shape)} is not a list of sizes"
   size = itemsize
   for d in shape:
     size *= max(d, 1)  # a zero dimension empties the array, but each one must still fit
     if size > MAX_ARRAY_BYTES or d > MAX_EXTENT:
-      return f"shape {_short(shape)} declares more than 2**62 bytes"
+      return f"shape {_errors.shown(shape)} declares more than 2**62 bytes"
   return None
-
-
-def _short(value: Any) -> str:
-  text = repr(value)
-  return text if len(text) <= 80 else text[:77] + "..."
 
 
 def check_shape(shape: Any, where: str, error: type[Exception], itemsize: int = 1) -> None:

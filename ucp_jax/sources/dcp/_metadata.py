@@ -27,12 +27,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import reprlib
 from typing import Any
 
 import numpy as np
 
-from ucp_jax._errors import SourceFormatError, bullet_list
+from ucp_jax import _errors
+from ucp_jax._errors import SourceFormatError
 from ucp_jax.sources import _files
 from ucp_jax.sources.dcp import _rank_files, _tiling
 from ucp_jax.sources.torch import _pickle_limits, _torch_pickle
@@ -185,22 +185,14 @@ def _path_of(key: str, at: Any) -> bool:
 
 
 def _raise(folder: str, problems: list[str]) -> None:
-  if len(problems) == 1:
-    raise SourceFormatError(f"{folder}: not a DCP checkpoint it can read: {problems[0]}")
-  if problems:
-    raise SourceFormatError(f"{folder}: not a DCP checkpoint it can read:\n{bullet_list(problems)}")
-
-
-_REPR = reprlib.Repr()
-_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, 60, 60, 40
-_REPR.maxlist = _REPR.maxtuple = _REPR.maxset = _REPR.maxfrozenset = _REPR.maxdict = 6
+  _errors.raise_problems(SourceFormatError, f"{folder}: not a DCP checkpoint it can read", problems)
 
 
 def _shown(value: Any) -> str:
-  """`value` as a message shows it: short however large or deep (records by class name)."""
+  """`value` as a message shows it (a record of the pickle by its class name)."""
   if isinstance(value, InertObject | InertGlobal):
     return f"<{_name(value)}>"
-  return _REPR.repr(value)  # (repr escapes what is not printable)
+  return _errors.shown(value)
 
 
 def _load(path: str, fs: _files.Files) -> Any:

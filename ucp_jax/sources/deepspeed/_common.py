@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from ucp_jax._errors import SourceFormatError, bullet_list
+from ucp_jax import _errors
+from ucp_jax._errors import SourceFormatError
 from ucp_jax.sources import _files
 from ucp_jax.sources._source_plan import Param, jsonable, number
 from ucp_jax.sources.deepspeed import _contract as contract
@@ -60,20 +61,10 @@ class TagFiles:
   zero3: bool
 
 
-def shown_names(names: Sequence[str], limit: int = 12) -> str:
-  """The first `limit` file names of a listing, for a message: one line whatever the names
-  hold (a name that is not printable is shown as its repr)."""
-  shown = [n if n.isprintable() else repr(n) for n in names[:limit]]
-  return ", ".join(shown) + (" ..." if len(names) > limit else "") or "nothing"
-
-
 def fail(header: str, problems: Sequence[str]) -> None:
   """Raises one `SourceFormatError` listing `problems` under `header`, if there are any
   (one line when there is one)."""
-  if len(problems) == 1:
-    raise SourceFormatError(f"{header}: {problems[0]}")
-  if problems:
-    raise SourceFormatError(f"{header}:\n{bullet_list(list(problems))}")
+  _errors.raise_problems(SourceFormatError, header, problems)
 
 
 _ROOT: contextvars.ContextVar[str | None] = contextvars.ContextVar(
@@ -169,7 +160,7 @@ def list_tag(folder: str) -> TagFiles:
       sorted(n for names in prefixes.values() for n in names),
     )
   if not (models or zero3_models) or not optims:
-    found = shown_names(names)
+    found = _errors.listed(names)
     raise SourceFormatError(
       f"{folder}: not a DeepSpeed ZeRO tag folder: expected mp_rank_00_model_states.pt (ZeRO-1/2, "
       "BF16 optimizer) or zero_pp_rank_K_mp_rank_00_model_states.pt (ZeRO-3), and "
@@ -241,8 +232,7 @@ def _equal(a: Any, b: Any) -> bool:
 
 
 def _short(value: Any) -> str:
-  text = repr(jsonable(value, max_list=8))
-  return text if len(text) <= 80 else text[:77] + "..."
+  return _errors.shown(jsonable(value, max_list=8))  # a torch record as the JSON it would be
 
 
 def int_of(value: Any) -> int | None:

@@ -11,6 +11,7 @@ import dataclasses
 import os
 from collections.abc import Sequence
 
+from ucp_jax import _errors
 from ucp_jax._errors import SourceFormatError
 from ucp_jax.sources import _files
 from ucp_jax.sources._source_plan import Plan
@@ -106,7 +107,7 @@ def detect(src: str | os.PathLike) -> tuple[str, str]:
         )
       return kind, folder
   names = sorted(_files.listdir(path))
-  found = _common.shown_names(names)
+  found = _errors.listed(names)
   raise SourceFormatError(
     f"{path}: not a DeepSpeed checkpoint. Looked for: a checkpoint folder (a `latest` file "
     "naming its tag folder); a tag folder (mp_rank_00_model_states.pt or "

@@ -30,6 +30,7 @@ from collections.abc import Callable
 import ml_dtypes
 import numpy as np
 
+from ucp_jax import _errors
 from ucp_jax._errors import InsufficientMemoryError, SourceFormatError
 from ucp_jax.sources import _files
 from ucp_jax.store import _untrusted
@@ -121,12 +122,6 @@ class SafetensorsFile:
       return np.zeros(info.shape, info.dtype)
     count = math.prod(info.shape)
     return np.frombuffer(self.mapped, info.dtype, count, info.begin).reshape(info.shape)
-
-
-def shown(value: object) -> str:
-  """`value` as a message shows it: its repr, shortened to 80 characters."""
-  text = repr(value)
-  return text if len(text) <= 80 else text[:77] + "..."
 
 
 def fail(where: str, what: str, problems: list[str]) -> None:
@@ -251,13 +246,13 @@ def _checked(path, size, length, raw, identity, mapped, fetch=None) -> Safetenso
       f"{MAX_TENSORS} a file may hold"
     )
   problems = [
-    f"tensor {shown(k)} appears twice"
+    f"tensor {_errors.shown(k)} appears twice"
     if k in header
-    else f"the key {shown(k)} appears twice in an entry"
+    else f"the key {_errors.shown(k)} appears twice in an entry"
     for k in repeated
   ]
   problems += [
-    f"`__metadata__` {shown(k)}: {shown(v)} is not a string"
+    f"`__metadata__` {_errors.shown(k)}: {_errors.shown(v)} is not a string"
     for k, v in metadata.items()
     if not isinstance(v, str)
   ]
@@ -280,7 +275,7 @@ def _checked(path, size, length, raw, identity, mapped, fetch=None) -> Safetenso
   for (_, end, first), (begin, _, second) in itertools.pairwise(spans):
     if begin < end:
       problems.append(
-        f"tensors {shown(first)} and {shown(second)} overlap (both hold bytes [{begin}, {end}))"
+        f"tensors {_errors.shown(first)} and {_errors.shown(second)} overlap (both hold bytes [{begin}, {end}))"
       )
   fail(path, "a damaged or forged safetensors header", problems)
   ordered = dict(sorted(tensors.items(), key=lambda kv: kv[1].begin))
@@ -325,7 +320,7 @@ def parse_json(raw: bytes, where: str, depth: int, max_bytes: int) -> tuple[obje
 
 def _tensor(path, name, entry, start, size, problems, past_end) -> TensorInfo | None:
   if not isinstance(entry, dict):
-    problems.append(f"tensor {shown(name)}: not a tensor entry")
+    problems.append(f"tensor {_errors.shown(name)}: not a tensor entry")
     return None
   kind = entry.get("dtype")
   dtype = DTYPES.get(kind) if isinstance(kind, str) else None
@@ -333,25 +328,29 @@ def _tensor(path, name, entry, start, size, problems, past_end) -> TensorInfo | 
   if dtype is None:
     packed = isinstance(kind, str) and kind in PACKED
     why = f"packed {PACKED[kind]}" if packed else "not a safetensors dtype"
-    problems.append(f"tensor {shown(name)}: dtype {shown(kind)} ({why}) is not one ucp_jax reads")
+    problems.append(
+      f"tensor {_errors.shown(name)}: dtype {_errors.shown(kind)} ({why}) is not one ucp_jax reads"
+    )
     return None
   if not _ints(offsets) or len(offsets) != 2:
-    problems.append(f"tensor {shown(name)}: data_offsets {shown(offsets)} are not two offsets")
+    problems.append(
+      f"tensor {_errors.shown(name)}: data_offsets {_errors.shown(offsets)} are not two offsets"
+    )
     return None
   problem = _untrusted.shape_problem(shape, dtype.itemsize)
   if problem:
-    problems.append(f"tensor {shown(name)}: {problem}")
+    problems.append(f"tensor {_errors.shown(name)}: {problem}")
     return None
   begin, end = start + offsets[0], start + offsets[1]
   expected = math.prod(shape) * dtype.itemsize
   if not start <= begin <= end:
     problems.append(
-      f"tensor {shown(name)}: data_offsets {shown(offsets)} put its bytes at [{begin}, {end}): "
+      f"tensor {_errors.shown(name)}: data_offsets {_errors.shown(offsets)} put its bytes at [{begin}, {end}): "
       "not a range of the data"
     )
   elif end - begin != expected:
     problems.append(
-      f"tensor {shown(name)}: {end - begin} bytes for shape {list(shape)} of {kind} ({expected})"
+      f"tensor {_errors.shown(name)}: {end - begin} bytes for shape {list(shape)} of {kind} ({expected})"
     )
   elif end > size:
     past_end.append(end)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 
+from ucp_jax import _errors
 from ucp_jax._errors import SourceFormatError
 from ucp_jax.sources.hf._safetensors import (
   SafetensorsFile,
@@ -20,7 +21,6 @@ from ucp_jax.sources.hf._safetensors import (
   parse_json,
   read_header,
   read_remote_header,
-  shown,
 )
 from ucp_jax.store._untrusted import open_regular
 
@@ -76,7 +76,7 @@ def parse_index(raw: bytes, path: str) -> tuple[dict[str, str], list[str]]:
   bad = next((k for k, v in weight_map.items() if not isinstance(v, str)), None)
   if bad is not None:
     raise SourceFormatError(
-      f"{path}: `weight_map` {shown(bad)}: {shown(weight_map[bad])} is not a file name"
+      f"{path}: `weight_map` {_errors.shown(bad)}: {_errors.shown(weight_map[bad])} is not a file name"
     )
   if len(weight_map) > MAX_INDEX_TENSORS:
     raise SourceFormatError(
@@ -89,7 +89,9 @@ def parse_index(raw: bytes, path: str) -> tuple[dict[str, str], list[str]]:
       f"{path}: `weight_map` names {shards} shard files, more than the {MAX_SHARDS} an index "
       "may name"
     )
-  return weight_map, [f"tensor {shown(k)} is listed twice" for k in repeated if k in weight_map]
+  return weight_map, [
+    f"tensor {_errors.shown(k)} is listed twice" for k in repeated if k in weight_map
+  ]
 
 
 def _check_shards(where: str, weight_map: dict[str, str], problems: list[str], present) -> dict:
@@ -101,7 +103,7 @@ def _check_shards(where: str, weight_map: dict[str, str], problems: list[str], p
   for file, names in by_shard.items():
     if not _file_name(file):
       problems.append(
-        f"shard {shown(file)}, listed for tensor {_some(names)}, lies outside the folder"
+        f"shard {_errors.shown(file)}, listed for tensor {_some(names)}, lies outside the folder"
       )
     elif not present(file):
       problems.append(f"shard {file}, listed for tensor {_some(names)}, is missing")
@@ -134,14 +136,14 @@ def match_index(index_path: str, weight_map: dict[str, str], found: dict[str, li
     for name in names:
       if name in seen:
         problems.append(
-          f"tensor {shown(name)} is in both {os.path.basename(seen[name])} and "
+          f"tensor {_errors.shown(name)} is in both {os.path.basename(seen[name])} and "
           f"{os.path.basename(file)}"
         )
       else:
         problems += _misplaced(file, name, weight_map.get(name))
       seen.setdefault(name, file)
   problems += [
-    f"tensor {shown(n)}: listed in the index for {os.path.basename(f)}, which does not hold it"
+    f"tensor {_errors.shown(n)}: listed in the index for {os.path.basename(f)}, which does not hold it"
     for n, f in weight_map.items()
     if n not in seen
   ]
@@ -152,10 +154,10 @@ def _misplaced(file: str, name: str, listed: str | None) -> list[str]:
   """What is wrong with shard `file` holding tensor `name`, which the index lists in `listed`."""
   shard = os.path.basename(file)
   if listed is None:
-    return [f"{shard} holds tensor {shown(name)}, which the index does not list"]
+    return [f"{shard} holds tensor {_errors.shown(name)}, which the index does not list"]
   if listed != file:
     return [
-      f"{shard} holds tensor {shown(name)}, which the index puts in {os.path.basename(listed)}"
+      f"{shard} holds tensor {_errors.shown(name)}, which the index puts in {os.path.basename(listed)}"
     ]
   return []
 
@@ -200,4 +202,4 @@ def _only_listed(index: str, file: SafetensorsFile, weight_map: dict[str, str]) 
 
 
 def _some(names: list[str]) -> str:
-  return shown(names[0]) + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+  return _errors.shown(names[0]) + (f" and {len(names) - 1} more" if len(names) > 1 else "")

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from ucp_jax import _errors
 from ucp_jax._errors import SourceFormatError
 from ucp_jax.sources import _remote
 from ucp_jax.sources._source_plan import Param, Plan, Tensor, lazy_store
@@ -321,10 +322,10 @@ def parse_config(raw: bytes | str, path: str, error: type[Exception] = SourceFor
   if architectures is not None and not (
     isinstance(architectures, list) and all(isinstance(a, str) for a in architectures)
   ):
-    raise error(f"{path}: `architectures`: {st.shown(architectures)} is not a list of names")
+    raise error(f"{path}: `architectures`: {_errors.shown(architectures)} is not a list of names")
   tie = config.get("tie_word_embeddings")
   if tie is not None and not isinstance(tie, bool):
-    raise error(f"{path}: `tie_word_embeddings`: {st.shown(tie)} is not true or false")
+    raise error(f"{path}: `tie_word_embeddings`: {_errors.shown(tie)} is not true or false")
   return config
 
 

@@ -156,7 +156,7 @@ def _open_all(meta: _tree_metadata.TreeMetadata, folder: dict) -> dict[str, Tens
         raise future
       store = future.result()
     except ValueError as e:
-      text = _tree_metadata.shown(error_text(e))
+      text = _errors.named(error_text(e))
       failures.add(text, where, alike=text.rsplit(": ", 1)[-1].replace(leaf.shown, "\0"))
       continue
     problem = _checks.array_problem(store, free) or _key_problem(leaf, store)

@@ -69,7 +69,7 @@ class Leaf:
   @property
   def shown(self) -> str:
     """`name` as messages print it: on one line, control characters escaped."""
-    return shown(self.name)
+    return _errors.named(self.name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +115,7 @@ def read(folder: str, fs: _files.Files) -> TreeMetadata:
   for flag in _FLAGS:
     value = data.get(flag)
     if value is not None and not isinstance(value, bool):
-      problems.append((f"`{flag}`", f"{_short(value)} is not true or false"))
+      problems.append((f"`{flag}`", f"{_errors.shown(value)} is not true or false"))
     flags[flag] = value
   entries = []
   sequences: set[str] = set()
@@ -124,7 +124,7 @@ def read(folder: str, fs: _files.Files) -> TreeMetadata:
     value = entry.get("value_metadata") if isinstance(entry, dict) else None
     problem = problem or _value_problem(value)
     if problem:
-      problems.append((f"entry {_short(label)}", problem))
+      problems.append((f"entry {_errors.shown(label)}", problem))
       continue
     entries.append((path, value))
     sequences |= {_keypath.join(path[:i]) for i, s in enumerate(in_sequence) if s}
@@ -185,7 +185,7 @@ def _path(label: str, entry: Any) -> tuple[tuple[str, ...], list[bool], str | No
     if not isinstance(name, str):
       return (), [], "an entry of `key_metadata` without a string `key`"
     if key_type is not None and (isinstance(key_type, bool) or not isinstance(key_type, int)):
-      return (), [], f"`key_type` {_short(key_type)} is not a number"
+      return (), [], f"`key_type` {_errors.shown(key_type)} is not a number"
     path.append(name)
     in_sequence.append(key_type == _SEQUENCE)
   return tuple(path), in_sequence, None
@@ -309,24 +309,11 @@ def _prng_entry(entry: Any) -> tuple[str, str] | str | None:
     return None
   if not isinstance(impl, str) or impl not in PRNG_KEY_SIZES:
     known = ", ".join(PRNG_KEY_SIZES)
-    return f"`random_key_impl` {_short(impl)} is not a PRNG implementation of JAX ({known})"
+    return f"`random_key_impl` {_errors.shown(impl)} is not a PRNG implementation of JAX ({known})"
   name = meta.get("param_name")
   if not isinstance(name, str):
     return "`param_name` is not a string"
   return name, impl
-
-
-def shown(text: str) -> str:
-  """`text` on one line: control characters (a newline in a name) escaped."""
-  return text if text.isprintable() else ascii(text)[1:-1]
-
-
-def _short(value: Any) -> str:
-  return _clip(ascii(value))
-
-
-def _clip(text: str, limit: int = 80) -> str:
-  return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _report(
@@ -338,7 +325,7 @@ def _report(
   for subject, problem in problems:
     by_problem.setdefault(problem, []).append(subject)
   lines = [
-    f"{file}: {_clip(subjects[0])}: {problem}"
+    f"{file}: {_errors.clipped(subjects[0])}: {problem}"
     + (f" (and {len(subjects) - 1} more alike)" if len(subjects) > 1 else "")
     for problem, subjects in by_problem.items()
   ]
