@@ -388,3 +388,14 @@ def test_save_async_and_a_resharded_restore_on_s3(s3):
       pending.result()
   assert ucp_jax.open(spec).step == 3
   np.testing.assert_array_equal(ucp_jax.restore(spec)["w"], w)
+
+
+def test_a_restore_reads_each_zarr_json_once(s3):
+  """The metadata ucp_jax reads to check it before TensorStore's parser sees it is the
+  metadata the array opens on: one request per array, not two."""
+  spec = _spec(s3, s3.bucket())
+  ucp_jax.save(spec, _tree(2.0))
+  arrays = len(ucp_jax.open(spec).keys())
+  before = s3.proxy.seen("metadata")
+  assert _check_value(spec) == 2.0  # verify, then restore: each opens every array
+  assert s3.proxy.seen("metadata") - before == 2 * arrays

@@ -208,14 +208,34 @@ def open_array(location: Location, key: str, durable: bool = True) -> ts.Future:
   def checked(read: ts.Future) -> None:
     try:
       result = read.result()
-      check_metadata(location, key, result.value if result.state == "value" else None)
-      ts.open(spec, context=context(durable)).add_done_callback(lambda f: _settle(promise, f))
+      raw = result.value if result.state == "value" else None
+      check_metadata(location, key, raw)
+      opening = ts.open(_on_metadata(spec, raw), context=context(durable))
+      opening.add_done_callback(lambda f: _settle(promise, f))
     except BaseException as e:
       promise.set_exception(e)
 
   store = ts.KvStore.open(location.kvstore_spec(key), context=context(durable)).result()
   store.read("zarr.json").add_done_callback(checked)
   return opened
+
+
+def _on_metadata(spec: dict, raw: bytes | None) -> dict:
+  """`spec` opening on `raw`, the `zarr.json` just read and checked, so that TensorStore does
+  not read it a second time (one request less per array on an object store); `spec` as it is
+  where there is none or it is no zarr v3 array's (TensorStore's open then says what is wrong)."""
+  import json
+
+  try:
+    metadata = json.loads(raw) if raw is not None else None
+  except ValueError:
+    return spec
+  if not isinstance(metadata, dict) or metadata.get("node_type") != "array":
+    return spec
+  if metadata.get("zarr_format") != 3:
+    return spec
+  fields = {k: v for k, v in metadata.items() if k not in ("zarr_format", "node_type")}
+  return {**spec, "metadata": fields, "open": True, "assume_metadata": True}
 
 
 def check_metadata(location: Location, key: str, raw: bytes | None) -> None:
