@@ -81,5 +81,7 @@ if __name__ == "__main__":
   if stage != "none":
     STAGES[stage]()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  ucp_jax.save(path, tree, base=base, overwrite=True, chunk_bytes=8192)
+  # 8 files for the frozen array (a chunk per shard, not bundled): a kill while linking
+  # leaves some linked and others not
+  ucp_jax.save(path, tree, base=base, overwrite=True, chunk_bytes=8192, bundle_bytes=8192)
   print("saved")

@@ -1,4 +1,4 @@
-"""Bundles: each shard's chunks in one file (zarr v3's sharding_indexed codec).
+"""Bundles: each process's part of an array in one file (zarr v3's sharding_indexed codec).
 
 A checkpoint holds a few files per array and writer; zarr readers (TensorStore,
 zarr-python) read them; a restore reads only the byte ranges of its chunks; and a
@@ -35,25 +35,35 @@ def _files(path, key):
   return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs)
 
 
-def test_each_shard_is_one_file_that_any_mesh_and_zarr_python_read(tmp_path):
+@pytest.mark.parametrize(
+  ("bundle_bytes", "bundle", "files"),
+  [
+    (_bundle.BUNDLE_BYTES, (64, 32), ["0/0"]),  # the process's part (all 4 shards): one file
+    (2048, (16, 32), ["0/0", "1/0", "2/0", "3/0"]),  # bounded: one file per shard here
+  ],
+)
+def test_each_process_part_is_one_file_that_any_mesh_and_zarr_python_read(
+  tmp_path, bundle_bytes, bundle, files
+):
   x, a = _sharded()
-  ucp_jax.save(tmp_path / "c", {"a": a}, chunk_bytes=512)  # (4, 32) chunks, 4 per shard
-  info = ucp_jax.open(tmp_path / "c")["a"]
-  assert (info.chunks, info.bundle) == ((4, 32), (16, 32))
-  assert _files(tmp_path / "c", "a") == ["0/0", "1/0", "2/0", "3/0"]
+  path = tmp_path / "c"
+  ucp_jax.save(path, {"a": a}, chunk_bytes=512, bundle_bytes=bundle_bytes)  # (4, 32) chunks
+  info = ucp_jax.open(path)["a"]
+  assert (info.chunks, info.bundle) == ((4, 32), bundle)
+  assert _files(path, "a") == files
   ucp_jax.save(tmp_path / "u", {"a": a}, chunk_bytes=512, bundle_bytes=None)
   assert len(_files(tmp_path / "u", "a")) == 16
 
   for spec in (P(None, "x"), P(("x", "y")), P()):
     mesh = jax.make_mesh((2, 4), ("x", "y"))
     target = {"a": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))}
-    np.testing.assert_array_equal(np.asarray(ucp_jax.restore(tmp_path / "c", target)["a"]), x)
-  assert ucp_jax.open(tmp_path / "c").verify() == {}
-  np.testing.assert_array_equal(ucp_jax.open(tmp_path / "c").read("a", np.s_[5:37, 3]), x[5:37, 3])
+    np.testing.assert_array_equal(np.asarray(ucp_jax.restore(path, target)["a"]), x)
+  assert ucp_jax.open(path).verify() == {}
+  np.testing.assert_array_equal(ucp_jax.open(path).read("a", np.s_[5:37, 3]), x[5:37, 3])
 
   zarr = pytest.importorskip("zarr")
-  stored = zarr.open_group(str(tmp_path / "c"), mode="r")["a"]
-  assert (stored.shards, stored.chunks) == ((16, 32), (4, 32))
+  stored = zarr.open_group(str(path), mode="r")["a"]
+  assert (stored.shards, stored.chunks) == (bundle, (4, 32))
   np.testing.assert_array_equal(stored[:], x)
 
 
@@ -62,11 +72,11 @@ def test_a_restore_reads_only_the_chunks_under_its_slices(tmp_path, monkeypatch)
   ucp_jax.save(tmp_path / "c", {"a": a}, chunk_bytes=512)
   reads = ChunkReads(monkeypatch)
   mesh = jax.make_mesh((8,), ("z",))
-  # 8 slices of 8 rows: each is 2 of the 16 chunks, half of one bundle
+  # 8 slices of 8 rows: each is 2 of the 16 chunks of the one bundle
   target = {"a": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P("z")))}
   np.testing.assert_array_equal(np.asarray(ucp_jax.restore(tmp_path / "c", target)["a"]), x)
   read = sorted(os.path.relpath(p, tmp_path / "c" / "a") for p in reads.files)
-  assert read == sorted(f"c/{i // 4}/0 (chunk {i}/0)" for i in range(16))  # each chunk once
+  assert read == sorted(f"c/0/0 (chunk {i}/0)" for i in range(16))  # each chunk once
 
 
 def test_bundle_files_are_byte_for_byte_what_tensorstore_writes(tmp_path):
@@ -104,9 +114,10 @@ def test_bundles_round_trip_on_every_store_path(tmp_path, where):
   x, a = _sharded((48, 40), P(None, "y"))
   path = f"memory://ucp_bundles_{next(_ids)}" if where == "memory" else tmp_path / "c"
   compression = "zstd" if where == "zstd" else None
+  # `a`: 4 column shards (each of 6 chunks) of one process in one bundle, written together
   ucp_jax.save(path, {"a": a, "n": x[:7]}, chunk_bytes=256, compression=compression)
   ckpt = ucp_jax.open(path)
-  assert ckpt["a"].bundle == (48, 10) and ckpt["n"].bundle is not None
+  assert ckpt["a"].bundle == (48, 40) and ckpt["n"].bundle is not None
   mesh = jax.make_mesh((8,), ("z",))
   target = {
     "a": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P("z"))),

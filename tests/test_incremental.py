@@ -166,13 +166,13 @@ def test_a_base_changed_underneath_is_detected(tmp_path, devices):
   frozen = _frozen(devices)
   ucp_jax.save(tmp_path / "1", _state(frozen, 1))
   ucp_jax.save(tmp_path / "2", _state(frozen, 2), base=tmp_path / "1")
-  shared = tmp_path / "1" / "frozen" / "w1" / "c" / "3" / "0"
+  shared = tmp_path / "1" / "frozen" / "w1" / "c" / "0" / "0"  # the array's one bundle
   with open(shared, "r+b") as f:  # in place: the file both checkpoints hold
-    f.seek(100)
+    f.seek(8196 * 3 + 100)
     f.write(b"\xff\xff\xff\xff")
   problems = ucp_jax.open(tmp_path / "2").verify()
   assert list(problems) == ["frozen/w1"] and "checksum mismatch" in problems["frozen/w1"]
-  with pytest.raises(ucp_jax.CorruptCheckpointError, match="frozen/w1/c/3/0"):
+  with pytest.raises(ucp_jax.CorruptCheckpointError, match=r"frozen/w1/c/0/0 \(chunk 3/0\)"):
     ucp_jax.open(tmp_path / "2").read("frozen/w1")
   with pytest.raises(ucp_jax.CorruptCheckpointError):
     ucp_jax.restore(tmp_path / "2")
@@ -252,22 +252,31 @@ def test_a_base_on_another_file_system_is_copied(tmp_path, devices, monkeypatch)
   _assert_holds(tmp_path / "2", frozen, 2)
 
 
-def test_a_region_the_base_lost_is_written_from_memory(tmp_path, devices):
+@pytest.mark.parametrize(
+  ("options", "lost", "fifo"),
+  [
+    ({}, "c/0/0", "c/0/0"),  # an array's one bundle (its 8 shards): written whole instead
+    ({"bundle_bytes": None}, "c/5/0", "c/2/0"),  # a file per chunk: only the lost ones
+  ],
+)
+def test_a_region_the_base_lost_is_written_from_memory(tmp_path, devices, options, lost, fifo):
   frozen = _frozen(devices)
-  ucp_jax.save(tmp_path / "1", _state(frozen, 1))
-  (tmp_path / "1" / "frozen" / "w2" / "c" / "5" / "0").unlink()
-  os.mkfifo(tmp_path / "1" / "frozen" / "w1" / "c" / "2" / "0.tmp")
-  (tmp_path / "1" / "frozen" / "w1" / "c" / "2" / "0").unlink()
+  ucp_jax.save(tmp_path / "1", _state(frozen, 1), **options)
+  (tmp_path / "1" / "frozen" / "w2" / lost).unlink()
+  os.mkfifo(tmp_path / "1" / "frozen" / "w1" / f"{fifo}.tmp")
+  (tmp_path / "1" / "frozen" / "w1" / fifo).unlink()
   os.rename(
-    tmp_path / "1" / "frozen" / "w1" / "c" / "2" / "0.tmp",
-    tmp_path / "1" / "frozen" / "w1" / "c" / "2" / "0",
+    tmp_path / "1" / "frozen" / "w1" / f"{fifo}.tmp", tmp_path / "1" / "frozen" / "w1" / fifo
   )
-  ucp_jax.save(tmp_path / "2", _state(frozen, 2), base=tmp_path / "1")
+  base = _files(tmp_path / "1")
+  ucp_jax.save(tmp_path / "2", _state(frozen, 2), base=tmp_path / "1", **options)
   files = _files(tmp_path / "2")
-  assert files["frozen/w2/c/5/0"] != files.get("frozen/w2/c/4/0")
+  shared = {k for k, inode in files.items() if base.get(k) == inode}
+  frozen_files = {k for k in files if k.startswith("frozen/") and "/c/" in k}
+  assert frozen_files - shared == {f"frozen/w2/{lost}", f"frozen/w1/{fifo}"}
   _assert_holds(tmp_path / "2", frozen, 2)
   # save_async holds no copy of an unchanged array: it says so, and commits nothing
-  handle = ucp_jax.save_async(tmp_path / "3", _state(frozen, 3), base=tmp_path / "1")
+  handle = ucp_jax.save_async(tmp_path / "3", _state(frozen, 3), base=tmp_path / "1", **options)
   with pytest.raises(ucp_jax.CorruptCheckpointError, match=r"missing from the base|FIFO"):
     handle.result()
   assert not (tmp_path / "3").exists()
@@ -291,7 +300,7 @@ def test_links_from_a_durable_base_need_no_fsync(tmp_path, devices, monkeypatch)
   synced.clear()
   ucp_jax.save(tmp_path / "b", _state(frozen, 2), base=tmp_path / "quick")
   linked = {p for p in synced if "/frozen/" in p and "/c/" in p}
-  assert len(linked) == 24  # 3 arrays of 8 bundles, each linked file made durable
+  assert len(linked) == 3  # 3 arrays of one bundle each, each linked file made durable
   manifest = ucp_jax.open(tmp_path / "b").manifest
   assert manifest.durable is True and len(manifest.token) == 16 and manifest.format_version == 3
   assert ucp_jax.open(tmp_path / "quick").manifest.durable is False
@@ -327,11 +336,11 @@ def test_the_linker_never_writes_into_a_shared_file(tmp_path):
   linker = _reuse.Linker(
     _location.resolve(base), str(tmp_path / "new"), base_durable=True, durable=False
   )
-  linker.start("k", info, (slice(0, 4),)).result()
+  linker.start("k", info, [(slice(0, 4),)]).result()
   assert (tmp_path / "new" / "k" / "c" / "0").stat().st_ino == (
     base / "k" / "c" / "0"
   ).stat().st_ino
-  linker.discard("k", info, (slice(0, 4),))  # before the region is written instead
+  linker.discard("k", info, [(slice(0, 4),)])  # before the region is written instead
   assert not (tmp_path / "new" / "k" / "c" / "0").exists()
   assert (base / "k" / "c" / "0").read_bytes() == b"base"
 

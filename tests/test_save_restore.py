@@ -275,18 +275,25 @@ def test_zarr_layout_is_plain_zarr_v3(tmp_path):
 
   data = _data((16, 8))
   sharding = NamedSharding(MESHES["8"](), P("x"))
-  ucp_jax.save(tmp_path / "c", {"params": {"dense": {"kernel": jax.device_put(data, sharding)}}})
+  tree = {"params": {"dense": {"kernel": jax.device_put(data, sharding)}}}
+  ucp_jax.save(tmp_path / "c", tree, bundle_bytes=None)  # a file per chunk
+  ucp_jax.save(tmp_path / "b", tree)  # the process's 8 shards in one bundle
   meta = json.loads((tmp_path / "c/params/dense/kernel/zarr.json").read_text())
-  assert meta["node_type"] == "array" and meta["chunk_grid"]["configuration"]["chunk_shape"] == [
-    2,
-    8,
-  ]
+  assert meta["node_type"] == "array"
+  assert meta["chunk_grid"]["configuration"]["chunk_shape"] == [2, 8]
   assert [c["name"] for c in meta["codecs"]] == ["bytes", "crc32c"]
-  assert json.loads((tmp_path / "c/params/zarr.json").read_text())["node_type"] == "group"
-  plain = ts.open(
-    {"driver": "zarr3", "kvstore": f"file://{tmp_path}/c/params/dense/kernel"}
-  ).result()
-  np.testing.assert_array_equal(plain.read().result(), data)
+  bundled = json.loads((tmp_path / "b/params/dense/kernel/zarr.json").read_text())
+  assert bundled["chunk_grid"]["configuration"]["chunk_shape"] == [16, 8]
+  (codec,) = bundled["codecs"]
+  assert codec["name"] == "sharding_indexed"
+  assert codec["configuration"]["chunk_shape"] == [2, 8]
+  assert [c["name"] for c in codec["configuration"]["codecs"]] == ["bytes", "crc32c"]
+  for root in ("c", "b"):
+    assert json.loads((tmp_path / root / "params/zarr.json").read_text())["node_type"] == "group"
+    plain = ts.open(
+      {"driver": "zarr3", "kvstore": f"file://{tmp_path}/{root}/params/dense/kernel"}
+    ).result()
+    np.testing.assert_array_equal(plain.read().result(), data)
 
 
 def test_keys_with_odd_characters(tmp_path):

@@ -174,3 +174,63 @@ def test_clear_caches_empties_every_plan_cache():
   _caches.clear_caches()
   assert _write_plan._CACHE.get(("writers", sharding, (8, 8)), lambda: "made") == "made"
   assert memo.get("a", lambda: "again") == "again"
+
+
+def _bundle_owners(plans, shape, unit) -> dict:
+  owners: dict[tuple, set] = {}
+  for process, by_device in plans.items():
+    for regions in by_device.values():
+      for region in regions:
+        for index in _chunks.chunks_in(region, unit):
+          owners.setdefault(index, set()).add(process)
+  return owners
+
+
+@pytest.mark.parametrize(("mesh_shape", "names", "shape", "spec"), CASES)
+@pytest.mark.parametrize("limit", [1 << 30, 4096, 512])
+def test_bundles_by_process_have_one_writer_each(mesh_shape, names, shape, spec, limit):
+  """Bundles as a save chooses them (a process's block, halved while larger than `limit`):
+  every chunk is written once and every bundle by one process, replicated or not."""
+  from ucp_jax.store import _bundle
+
+  mesh = simulated_mesh(mesh_shape, names)
+  sharding = NamedSharding(mesh, spec)
+  shard = sharding.shard_shape(shape)
+  chunks = _zarr.choose_chunks(shape, shard, 4, 256)
+  block = _write_plan.block_shape(sharding, shape) or shard
+  writers = _write_plan.writers(sharding, shape)
+  bundle = _bundle.choose(shape, block, chunks, 4, limit, writers)
+  unit = bundle or chunks
+  plans = plan_of_every_process("w", sharding, shape, unit)
+  owners = chunk_owners(plans, shape, chunks)
+  assert sorted(owners) == sorted(itertools.product(*map(range, _chunks.grid(shape, chunks))))
+  assert all(len(o) == 1 for o in owners.values()), owners
+  assert all(len(o) == 1 for o in _bundle_owners(plans, shape, unit).values())
+
+
+def test_a_process_block_is_one_bundle_replicated_or_not():
+  # (data 4, fsdp 2, tensor 8): a process holds one fsdp row of 8 tensor shards, the same
+  # as the 3 other processes of its data column
+  mesh = simulated_mesh((4, 2, 8), ("data", "fsdp", "tensor"))
+  shape = (256, 512)
+  sharding = NamedSharding(mesh, P("fsdp", "tensor"))
+  assert sharding.shard_shape(shape) == (128, 64)
+  assert _write_plan.block_shape(sharding, shape) == (128, 512)
+  blocks = _write_plan.blocks(sharding.devices_indices_map(shape), shape, lambda d: d.process_index)
+  assert [holders for _, holders, _ in blocks.blocks] == [(0, 2, 4, 6), (1, 3, 5, 7)]
+  plans = plan_of_every_process("w", sharding, shape, (128, 512))  # a block per bundle
+  writers = {p for p, by_device in plans.items() if by_device}
+  assert len(writers) == 2  # one replica of each block writes all 8 of its shards
+  assert all(len(plans[p]) == 8 for p in writers)
+
+
+def test_processes_that_hold_no_grid_keep_bundles_per_shard():
+  # devices dealt to processes round robin: process p holds rows p, p+4, ... of the shards
+  n = 16
+  devices = np.array([StandIn(i, 4) for i in range(n)])
+  order = np.array([devices[(i % 4) * 4 + i // 4] for i in range(n)])
+  sharding = NamedSharding(Mesh(order, ("x",)), P("x"))
+  assert _write_plan.block_shape(sharding, (64, 8)) is None
+  chunks = _zarr.choose_chunks((64, 8), (4, 8), 4, 64)
+  owners = chunk_owners(plan_of_every_process("w", sharding, (64, 8), chunks), (64, 8), chunks)
+  assert all(len(o) == 1 for o in owners.values())

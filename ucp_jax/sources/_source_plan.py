@@ -295,12 +295,12 @@ def _mapping(array: np.ndarray) -> mmap.mmap | None:
 
 
 def _stored_as(tensor: Tensor, shard, **fields) -> ArrayInfo:
-  """How a converted tensor is stored: chunks (and bundles) aligned to the shards the source
-  split it into, if any, so that restoring onto that split reads each shard's own bytes."""
+  """How a converted tensor is stored: chunks aligned to the shards the source split it
+  into, if any, so that restoring onto that split reads each shard's own bytes; bundles as
+  large as one writer's (the whole array, up to the bundle limit)."""
   dtype = np.dtype(tensor.dtype)
-  shard = shard or tensor.shape
-  chunks = _zarr.choose_chunks(tensor.shape, shard, dtype.itemsize)
-  bundle = _bundle.choose(tensor.shape, shard, chunks, dtype.itemsize)
+  chunks = _zarr.choose_chunks(tensor.shape, shard or tensor.shape, dtype.itemsize)
+  bundle = _bundle.choose(tensor.shape, tensor.shape, chunks, dtype.itemsize)
   return ArrayInfo(tensor.shape, _zarr.zarr_dtype(dtype), chunks, bundle=bundle, **fields)
 
 

@@ -2,8 +2,9 @@
 them out, so a checkpoint holds a few objects per array and writer, not one per chunk.
 
 A bundle (a zarr "shard", a name this package keeps for jax's shards) is a block of the
-chunk grid: the chunks of one device's shard, split further only when larger than
-`BUNDLE_BYTES`, so every bundle has exactly one writer. Its file holds the encoded
+chunk grid: the chunks of one process's part of the array (`_write_plan.block_shape`: the
+shards of all its devices), split further only when larger than `BUNDLE_BYTES`, so every
+bundle has exactly one writer process. Its file holds the encoded
 chunks that lie in the array, in C order of the bundle's chunk grid, then the index:
 one little-endian (offset, nbytes) uint64 pair per chunk place, `2**64 - 1` twice for a
 place outside the array, and the crc32c of the index. This is byte for byte what
@@ -30,7 +31,8 @@ from ucp_jax import _errors
 from ucp_jax.store import _chunks, _zarr
 
 BUNDLE_BYTES = 256 << 20
-"""Largest bundle written by default: one object per device shard below it, several above."""
+"""Largest bundle written by default: one object per process's part of an array below it,
+several above."""
 
 SPREAD_BYTES = 16 << 20
 """Largest bundle of a shard that several processes hold (replicated over a data-parallel
@@ -42,29 +44,29 @@ MISSING = 2**64 - 1
 
 def choose(
   shape: Sequence[int],
-  shard_shape: Sequence[int],
+  block: Sequence[int],
   chunks: Sequence[int],
   itemsize: int,
   limit: int | None = BUNDLE_BYTES,
   writers: int = 1,
 ) -> tuple[int, ...] | None:
-  """The bundle shape for an array chunked as `chunks` and saved in shards of `shard_shape`.
+  """The bundle shape for an array chunked as `chunks` whose writers each hold a `block`.
 
-  None (one file per chunk) when bundling is off (`limit` None), for 0-d and empty
-  arrays, and when a bundle would hold a single chunk. A bundle is the shard along
-  sharded dimensions (the chunks divide it) and the whole padded extent along the
-  others, then halved like a chunk is (`_zarr.choose_chunks`), in whole chunks, while
-  larger than `limit`, or than `SPREAD_BYTES` when `writers` (the processes that hold
-  each shard) share the writing.
+  `block` is the part of the array one process holds (`_write_plan.block_shape`; a device
+  shard where the processes' parts tile no grid). None (one file per chunk) when bundling
+  is off (`limit` None), for 0-d and empty arrays, and when a bundle would hold a single
+  chunk. A bundle is the block along the dimensions the block cuts (the chunks divide it)
+  and the whole padded extent along the others, then halved like a chunk is
+  (`_zarr.choose_chunks`), in whole chunks, while larger than `limit`, or than
+  `SPREAD_BYTES` when `writers` (the processes that hold each block) share the writing.
   """
   if limit is None or not shape or not math.prod(shape):
     return None
   if writers > 1:
     limit = min(limit, SPREAD_BYTES)
-  sharded = [s < full for s, full in zip(shard_shape, shape)]
+  sharded = [s < full for s, full in zip(block, shape)]
   counts = [
-    max(1, s // c) if cut else -(-d // c)
-    for s, c, d, cut in zip(shard_shape, chunks, shape, sharded)
+    max(1, s // c) if cut else -(-d // c) for s, c, d, cut in zip(block, chunks, shape, sharded)
   ]
   chunk_bytes = math.prod(chunks) * itemsize
   while math.prod(counts) * chunk_bytes > limit and _zarr.split_once(counts, sharded):  # as chunks

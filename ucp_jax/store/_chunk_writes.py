@@ -44,6 +44,7 @@ def write_region(
   record: Callable[[tuple[int, ...], int], None],
   durable: bool = True,
   bundle: tuple[int, ...] | None = None,
+  files: BundleFiles | None = None,
 ) -> list[concurrent.futures.Future]:
   """Starts writing `data` (the array's `region`, chunk-aligned) as chunk or bundle files.
 
@@ -51,7 +52,9 @@ def write_region(
   a hash) once it is written;
   with `durable`, each file is fsynced once its last chunk is written. The chunks of
   a bundle (`_bundle`) are written in groups of about `_GROUP_BYTES`, in parallel, each
-  at its own offset, and the index last.
+  at its own offset, and the index last. A bundle may take several calls (one per device
+  shard it holds): `files`, shared by the calls of one save, keeps it open until all its
+  chunks are written.
   """
   data = np.asarray(data)
   layout = None if bundle is None else _bundle.Layout(shape, chunks, bundle)
@@ -69,12 +72,11 @@ def write_region(
       where, _, offset = layout.slot(index, encoded)
       bundles.setdefault(where, []).append((offset, index, block))
   per_group = max(1, _GROUP_BYTES // encoded)
+  files = files if files is not None else BundleFiles(durable)
   for where, items in bundles.items():
-    index_at, index_bytes = layout.index_bytes(where, encoded)
-    target = _BundleFile(chunk_path(array_dir, where), index_at, index_bytes, durable)
+    target = files.get(chunk_path(array_dir, where), layout, where, encoded)
     items.sort(key=lambda item: item[0])
     groups = [items[i : i + per_group] for i in range(0, len(items), per_group)]
-    target.writers = len(groups)
     jobs += [(_write_bundled, target, group, chunks, record) for group in groups]
   return [_threads.submit(*job) for job in jobs]
 
@@ -107,7 +109,7 @@ def _write_bundled(target: _BundleFile, group: list, chunks, record) -> None:
   """Writes a group of chunks of one bundle (sorted by offset), each run of adjacent ones
   with one `pwritev`."""
   try:
-    try:  # whatever fails, `done` runs: the last writer closes the file
+    try:  # whatever fails, `done` runs: the bundle's last writer closes the file
       encoded = [(offset, index, *_encode(block, chunks)) for offset, index, block in group]
       fd = target.fd()
       start, end, parts = encoded[0][0], encoded[0][0], []
@@ -119,21 +121,54 @@ def _write_bundled(target: _BundleFile, group: list, chunks, record) -> None:
         end += raw.nbytes + 4
       _write_all(fd, parts, start)
     finally:
-      target.done()
+      target.done(len(group))
   except OSError as e:
     raise OSError(e.errno, e.strerror, e.filename or target.path) from e
   for _, index, raw, crc in encoded:
     record(index, crc, raw)
 
 
+class BundleFiles:
+  """The bundle files one save has open: each is opened by its first write and closed, its
+  index written and the file fsynced, by the write of its last chunk (one writer process
+  writes every chunk of a bundle, `_write_plan`, in one or several `write_region` calls)."""
+
+  def __init__(self, durable: bool):
+    self._durable = durable
+    self._open: dict[str, _BundleFile] = {}
+    self._lock = threading.Lock()
+
+  def get(self, path: str, layout: _bundle.Layout, where, encoded: int) -> _BundleFile:
+    with self._lock:
+      target = self._open.get(path)
+      if target is None:
+        index_at, index = layout.index_bytes(where, encoded)
+        chunks = math.prod(layout.present(where))
+        target = _BundleFile(path, index_at, index, chunks, self._durable, self._closed)
+        self._open[path] = target
+      return target
+
+  def _closed(self, path: str) -> None:
+    with self._lock:
+      self._open.pop(path, None)
+
+  def close(self) -> None:
+    """Closes the files of bundles whose writes did not all happen (a save that failed)."""
+    with self._lock:
+      left, self._open = list(self._open.values()), {}
+    for target in left:
+      target.abandon()
+
+
 class _BundleFile:
   """One bundle file being written by several tasks: opened by the first; its index written,
-  the file fsynced and closed by the last. Not truncated: a bundle written in several calls
-  keeps what the earlier ones wrote (the staging folder is new, so nothing else is there)."""
+  the file fsynced and closed once all its chunks are. Not truncated: the staging folder is
+  new, so nothing else is there."""
 
-  def __init__(self, path: str, index_at: int, index: bytes, durable: bool):
+  def __init__(self, path: str, index_at: int, index: bytes, chunks: int, durable: bool, closed):
     self.path, self._index_at, self._index, self._durable = path, index_at, index, durable
-    self.writers = 0  # set before the writes start; each calls `done` once
+    self._remaining = chunks  # chunks still to be written; each task reports its own
+    self._closed = closed
     self._fd: int | None = None
     self._lock = threading.Lock()
 
@@ -144,17 +179,24 @@ class _BundleFile:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
       return self._fd
 
-  def done(self) -> None:
+  def done(self, chunks: int) -> None:
     with self._lock:
-      self.writers -= 1
-      if self.writers or self._fd is None:
+      self._remaining -= chunks
+      if self._remaining > 0 or self._fd is None:
         return
       fd, self._fd = self._fd, None
+    self._closed(self.path)
     try:
       _write_all(fd, [self._index], self._index_at)  # last: the file grows once, in order
       if self._durable:
         os.fsync(fd)
     finally:
+      os.close(fd)
+
+  def abandon(self) -> None:
+    with self._lock:
+      fd, self._fd = self._fd, None
+    if fd is not None:
       os.close(fd)
 
 

@@ -83,9 +83,30 @@ def reachable(base: Any, target: _location.Location, pool: _location.Location | 
   )
 
 
-def file_indices(info: _manifest.ArrayInfo, region: Region):
-  """The grid indices of the files (chunk or bundle files) that make up `region`."""
-  return _chunks.chunks_in(region, info.bundle or info.chunks) if info.shape else [()]
+def file_indices(info: _manifest.ArrayInfo, regions: list[Region]) -> list[tuple[int, ...]]:
+  """The grid indices of the files (chunk or bundle files) that make up `regions`, each
+  once (a bundle may hold several regions: the device shards of one process)."""
+  if not info.shape:
+    return [()] if regions else []
+  unit = info.bundle or info.chunks
+  return list(dict.fromkeys(i for region in regions for i in _chunks.chunks_in(region, unit)))
+
+
+def sharing_files(info: _manifest.ArrayInfo, regions: list[Region]) -> list[list[Region]]:
+  """`regions` in groups that share no file with another group (a bundle may hold several
+  regions: the device shards of one process), so each group is linked, or written
+  instead, whole."""
+  groups: list[tuple[list[Region], set]] = []
+  for region in regions:
+    files = set(file_indices(info, [region]))
+    joined = [g for g in groups if g[1] & files]
+    merged = ([region], files)
+    for g in joined:
+      merged[0][:0] = g[0]
+      merged[1].update(g[1])
+      groups.remove(g)
+    groups.append(merged)
+  return [g[0] for g in groups]
 
 
 class Linker:
@@ -110,11 +131,10 @@ class Linker:
     self.copied = 0  # files that could not be linked (counted for tests and reports)
     self._lock = threading.Lock()
 
-  def start(self, key: str, info: _manifest.ArrayInfo, region: Region):
-    """Starts linking the files of `region` of `key`; returns a future that raises
-    `Unavailable` if the base does not have them all (the caller writes the region then)."""
-    names = list(file_indices(info, region))
-    return _threads.submit(self._link_all, key, names)
+  def start(self, key: str, info: _manifest.ArrayInfo, regions: list[Region]):
+    """Starts linking the files of `regions` of `key`; returns a future that raises
+    `Unavailable` if the base does not have them all (the caller writes the regions then)."""
+    return _threads.submit(self._link_all, key, file_indices(info, regions))
 
   def _link_all(self, key: str, names: list) -> None:
     for index in names:
@@ -122,10 +142,10 @@ class Linker:
       dst = _direct.chunk_path(os.path.join(self._staging, key), index)
       self._link(src, dst, _direct.chunk_path(os.path.join(self._base.local_dir, key), index))
 
-  def discard(self, key: str, info: _manifest.ArrayInfo, region: Region) -> None:
-    """Removes what `start` linked of a region, before the region is written instead (a
-    write never goes into a linked file: that would change the base's file too)."""
-    for index in file_indices(info, region):
+  def discard(self, key: str, info: _manifest.ArrayInfo, regions: list[Region]) -> None:
+    """Removes what `start` linked of `regions`, before they are written instead (a write
+    never goes into a linked file: that would change the base's file too)."""
+    for index in file_indices(info, regions):
       with contextlib.suppress(FileNotFoundError):
         os.unlink(_direct.chunk_path(os.path.join(self._staging, key), index))
 
@@ -213,22 +233,23 @@ def link_owned(
   )
   jobs = []
   for entry in entries:
-    for region in _shards.owned_regions(entry, primary):
-      jobs.append((entry, region, linker.start(entry.key, entry.info, region)))
+    for regions in sharing_files(entry.info, _shards.owned_regions(entry, primary)):
+      jobs.append((entry, regions, linker.start(entry.key, entry.info, regions)))
   started += [job[-1] for job in jobs]
   rewrite: dict[str, list] = {}
-  for entry, region, future in jobs:
+  for entry, regions, future in jobs:
     try:
       future.result()
-    except Unavailable as e:
-      linker.discard(entry.key, entry.info, region)
-      data = _shards.region_data(entry, region)
-      if data is None:
-        raise _errors.CorruptCheckpointError(
-          f"{target}: `{entry.key}` is unchanged since the base, but {e}, and this "
-          "save_async holds no copy of it to write instead; save again (without the base)"
-        ) from None
-      rewrite.setdefault(entry.key, []).append((region, data))
+    except Unavailable as e:  # written instead: every region of the files they share
+      linker.discard(entry.key, entry.info, regions)
+      for region in regions:
+        data = _shards.region_data(entry, region)
+        if data is None:
+          raise _errors.CorruptCheckpointError(
+            f"{target}: `{entry.key}` is unchanged since the base, but {e}, and this "
+            "save_async holds no copy of it to write instead; save again (without the base)"
+          ) from None
+        rewrite.setdefault(entry.key, []).append((region, data))
   return [
     dataclasses.replace(e, reuse=False, value=None, owned=tuple(rewrite[e.key]))
     for e in entries

@@ -3,11 +3,19 @@
 A shard held by several devices (an array replicated over a data-parallel axis) is
 written once. Giving it all to replica 0 would leave the hosts of the first
 data-parallel slice writing every replicated byte while the others idle, so a shard
-whose replicas live on several processes is split, along chunk boundaries, into one
-slab per process. Which process takes which slab rotates with the array's key and the
-shard, so single-chunk arrays spread over the processes too. The plan is a pure
-function of the sharding, shape, chunks and key: every process computes the same one
-without talking to the others. With one process it is exactly "replica 0 writes".
+whose replicas live on several processes is split into units (the bundles or chunks a
+writer owns whole), and the processes holding it take turns. Which process takes which
+unit rotates with the array's key and the shard, so single-chunk arrays spread over the
+processes too. The plan is a pure function of the sharding, shape, units and key: every
+process computes the same one without talking to the others. With one process it is
+exactly "replica 0 writes".
+
+A process's block (`blocks`) is the part of the array its devices hold together. When the
+blocks tile the array in a regular grid (any mesh whose processes hold whole rows and
+columns of shards, which is what `jax.make_mesh` lays out), a save bundles by block
+(`store/_bundle`), so a checkpoint is a few objects per array and process, not one per
+device shard. A unit then spans several devices' shards of one process: each device
+writes its part of the unit, and the unit still has one writer process.
 """
 
 from __future__ import annotations
@@ -24,16 +32,27 @@ from ucp_jax.store._regions import Region
 
 @dataclasses.dataclass(frozen=True)
 class _Shard:
-  """One distinct region of the array, its slabs, and one holder device per process."""
+  """A part of the array that the same processes hold (one device region, or a process's
+  block), the units it is cut into, and what each holder writes them from."""
 
-  pieces: tuple[Region, ...]
-  holders: tuple[tuple[int, Any], ...]  # (process, device), by process; the first replica each
+  units: tuple[Region, ...]  # the holders take turns, one writer each
+  holders: tuple[int, ...]  # the processes holding it, in order
+  regions: tuple[tuple[Region, Mapping[int, Any]], ...]  # device regions: process -> a device
 
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
   shards: tuple[_Shard, ...]
   by_process: Mapping[int, tuple[int, ...]]  # process -> the shards it holds a replica of
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+  """The processes' blocks of one layout, when they tile the array in a regular grid."""
+
+  shape: tuple[int, ...]  # every block's (those at the array's far edge may be smaller)
+  blocks: tuple[tuple[Region, tuple[int, ...], tuple[int, ...]], ...]
+  # (block, its holder processes, the indexes in `group_regions` of the device regions in it)
 
 
 def assignments(
@@ -53,9 +72,9 @@ def assignments(
   layout = _layout(layout_key, index_map, tuple(shape), tuple(chunks), process_of)
   out: dict[Any, list[Region]] = {}
   for number in layout.by_process.get(process, ()):
-    for holder, piece in _pieces(key, number, layout.shards[number]):
-      if holder[0] == process:
-        out.setdefault(holder[1], []).append(piece)
+    for writer, device, piece in _pieces(key, number, layout.shards[number]):
+      if writer == process:
+        out.setdefault(device, []).append(piece)
   return out
 
 
@@ -70,18 +89,21 @@ def every_assignment(
   """(process, device, region) for every region of `key` written, on every process."""
   layout = _layout(layout_key, index_map, tuple(shape), tuple(chunks), process_of)
   return [
-    (*holder, piece)
-    for number, shard in enumerate(layout.shards)
-    for holder, piece in _pieces(key, number, shard)
+    piece for number, shard in enumerate(layout.shards) for piece in _pieces(key, number, shard)
   ]
 
 
 def _pieces(key: str, number: int, shard: _Shard):
-  """(holder, slab) for each slab of shard `number`, the holders taking turns by key."""
+  """(process, device, region) for each device region's part of each unit of shard
+  `number`, the holders taking turns by key."""
   k = len(shard.holders)
   rotation = (zlib.crc32(key.encode()) + number) % k
-  for j, piece in enumerate(shard.pieces):
-    yield shard.holders[(j + rotation) % k], piece
+  for j, unit in enumerate(shard.units):
+    writer = shard.holders[(j + rotation) % k]
+    for region, devices in shard.regions:
+      piece = unit if len(shard.regions) == 1 else _regions.overlap(unit, region)
+      if piece is not None:
+        yield writer, devices[writer], piece
 
 
 def of_sharding(key: str, sharding: Any, shape: Sequence[int], chunks: Sequence[int], process: int):
@@ -92,6 +114,16 @@ def of_sharding(key: str, sharding: Any, shape: Sequence[int], chunks: Sequence[
 def every_of_sharding(key: str, sharding: Any, shape: Sequence[int], chunks: Sequence[int]):
   """`every_assignment` for a jax sharding."""
   return every_assignment(key, *_sharding_args(sharding, shape), shape, chunks, _process_of)
+
+
+def block_shape(sharding: Any, shape: Sequence[int]) -> tuple[int, ...] | None:
+  """The shape of the block each process holds of an array of `shape` laid out by
+  `sharding`, or None when the blocks do not tile it in a regular grid (`blocks`)."""
+  found = _CACHE.get(
+    ("blocks", sharding, tuple(shape)),
+    lambda: blocks(sharding.devices_indices_map(tuple(shape)), shape, _process_of),
+  )
+  return None if found is None else found.shape
 
 
 def writers(sharding: Any, shape: Sequence[int]) -> int:
@@ -125,18 +157,93 @@ def _layout(layout_key, index_map, shape, chunks, process_of) -> _Layout:
   )
 
 
-def _split_all(index_map: Mapping[Any, tuple], shape, chunks, process_of) -> _Layout:
-  shards = []
-  by_process: dict[int, list[int]] = {}
-  for number, (region, devices) in enumerate(_regions.group_regions(index_map, shape)):
+def _split_all(index_map: Mapping[Any, tuple], shape, unit, process_of) -> _Layout:
+  """The shards of a layout and their units: each device region cut into slabs of whole
+  units, one per holder process; or, where a unit spans several device regions (bundles
+  by block), each process block cut into its units."""
+  groups = _regions.group_regions(index_map, shape)
+  regions = []
+  for region, devices in groups:
     holders: dict[int, Any] = {}  # process -> its first device
     for device in devices:
       holders.setdefault(process_of(device), device)
-    ordered = tuple(sorted(holders.items(), key=lambda item: item[0]))
-    shards.append(_Shard(split(region, chunks, shape, len(ordered)), ordered))
-    for process, _ in ordered:
+    regions.append((region, holders))
+  if all(_within(region, unit, shape) for region, _ in groups):
+    shards = [
+      _Shard(split(region, unit, shape, len(holders)), tuple(sorted(holders)), ((region, holders),))
+      for region, holders in regions
+    ]
+  else:
+    grid = blocks(index_map, shape, process_of, groups)
+    if grid is None or not all(_within(u, unit, shape) for u, *_ in grid.blocks):
+      raise ValueError(f"units {unit} span the shards of several processes")  # save chose them
+    shards = [
+      _Shard(
+        tuple(_units(block, unit, shape)) if len(holders) > 1 else (block,),
+        holders,
+        tuple(regions[n] for n in inside),
+      )
+      for block, holders, inside in grid.blocks
+    ]
+  by_process: dict[int, list[int]] = {}
+  for number, shard in enumerate(shards):
+    for process in shard.holders:
       by_process.setdefault(process, []).append(number)
   return _Layout(tuple(shards), {p: tuple(n) for p, n in by_process.items()})
+
+
+def blocks(index_map: Mapping[Any, tuple], shape, process_of, groups=None) -> Blocks | None:
+  """The block of the array each process holds (the union of its devices' regions), when
+  every block is a box, processes hold either the same block or disjoint ones, and the
+  blocks tile the array in a regular grid; None otherwise."""
+  shape = tuple(shape)
+  groups = groups if groups is not None else _regions.group_regions(index_map, shape)
+  held: dict[int, set[int]] = {}
+  for number, (_, devices) in enumerate(groups):
+    for device in devices:
+      held.setdefault(process_of(device), set()).add(number)
+  by_set: dict[frozenset, list[int]] = {}
+  for process, numbers in held.items():
+    by_set.setdefault(frozenset(numbers), []).append(process)
+  found, taken = [], 0
+  for numbers, processes in by_set.items():
+    inside = sorted(numbers)
+    box = _box([groups[n][0] for n in inside])
+    taken += len(inside)
+    if sum(_regions.size(groups[n][0]) for n in inside) != _regions.size(box):
+      return None  # the regions leave holes in their box (or overlap)
+    found.append((box, tuple(sorted(processes)), tuple(inside)))
+  if taken != len(groups):
+    return None  # a device region is held with different companions by different processes
+  block = tuple(max(b[d].stop - b[d].start for b, *_ in found) for d in range(len(shape)))
+  for box, *_ in found:
+    for s, n, d in zip(box, block, shape):
+      if s.start % max(n, 1) or (s.stop - s.start != n and s.stop != d):
+        return None
+  return Blocks(block, tuple(sorted(found, key=lambda b: _regions.bounds(b[0], shape))))
+
+
+def _box(regions: Sequence[Region]) -> Region:
+  return tuple(
+    slice(min(r[d].start for r in regions), max(r[d].stop for r in regions))
+    for d in range(len(regions[0]))
+  )
+
+
+def _within(region: Region, unit: Sequence[int], shape: Sequence[int]) -> bool:
+  """Whether `region` is made of whole units (or reaches the array's edge)."""
+  return all(
+    s.start % u == 0 and (s.stop % u == 0 or s.stop == d) for s, u, d in zip(region, unit, shape)
+  )
+
+
+def _units(block: Region, unit: Sequence[int], shape: Sequence[int]):
+  """The units (whole, clipped to the array) that tile `block`, in C order."""
+  ranges = [
+    [slice(lo, min(lo + u, s.stop)) for lo in range(s.start, s.stop, u)]
+    for s, u in zip(block, unit)
+  ]
+  return itertools.product(*ranges)
 
 
 def split(region: Region, chunks: Sequence[int], shape: Sequence[int], parts: int) -> tuple:

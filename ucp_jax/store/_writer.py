@@ -16,6 +16,7 @@ import numpy as np
 
 from ucp_jax import _errors, _multihost
 from ucp_jax.store import (
+  _bundle_commits,
   _chunk_writes,
   _chunks,
   _commit,
@@ -78,6 +79,8 @@ class Writer:
     self._arrays: dict[str, _manifest.ArrayInfo] = {}
     self._tables: dict[str, _chunks.Table] = {}
     self._inflight: list[Any] = []  # chunk writes started (direct, TensorStore): an abort waits
+    self._bundle_files = _chunk_writes.BundleFiles(durable)  # local bundles being written
+    self._bundle_commits = _bundle_commits.BundleCommits()  # TensorStore's, one PUT each
     self._data = ""  # the data prefix below the root (object stores)
     self._replaced = None  # the manifest this save replaces on an object store (False: unreadable)
     self.staging: _location.Location | None = None
@@ -275,6 +278,7 @@ class Writer:
         record=table.set,
         durable=self._durable,
         bundle=info.bundle,
+        files=self._bundle_files,
       )
       self._inflight += futures
       return _AllOf(futures)
@@ -282,15 +286,18 @@ class Writer:
       region = _chunks.chunk_region(chunk, info.chunks, info.shape)
       raw = _chunks.raw_bytes(_chunks.padded(host[_regions.relative(region, index)], info.chunks))
       table.set(chunk, crc32c.crc32c(raw), raw)
-    future = (
-      self._stores[key][index].write(host, can_reference_source_data_indefinitely=immutable).commit
-    )
+    store = self._stores[key]
+    if info.bundle is not None:
+      futures = self._bundle_commits.write(key, store, info, index, host, immutable)
+      self._inflight += futures  # an abort waits for them before removing the staging
+      return _AllOf(futures)
+    future = store[index].write(host, can_reference_source_data_indefinitely=immutable).commit
     self._inflight.append(future)  # an abort waits for it before removing the staging
     return future
 
   def write_array(self, key: str, value: np.ndarray, index: tuple[slice, ...] | None = None):
     """Starts writing host data into `key` (all of it, or the chunk-aligned region `index`;
-    several writes into one bundle must come from one process).
+    every chunk of a bundle must be written by one process, in one or several calls).
 
     Returns an object whose `.result()` waits for the write.
     """
@@ -302,7 +309,7 @@ class Writer:
 
   def commit(self, manifest: _manifest.Manifest) -> None:
     """Writes the manifest and makes the checkpoint visible, once every process is done."""
-    self.together("writing", lambda: None)
+    self.together("writing", self._bundle_commits.check_complete, str(self.target))
     raw = _chunks.pack_entries(self._tables, self._hashed)
     entries = self._sync.gather_to_primary(raw, "gathering checksums")
     if self._primary:
@@ -350,6 +357,7 @@ class Writer:
         else:
           _commit.abort(self.staging, self.target)  # puts back an old checkpoint left aside
     finally:
+      self._bundle_files.close()  # those a failed save left open
       self._release()
 
   def _release(self) -> None:

@@ -296,15 +296,16 @@ def _entry(key: str, leaf: Any, chunk_bytes: int, bundle_bytes: int | None) -> E
       kind, impl = "prng_key", str(jax.random.key_impl(leaf))
       leaf = jax.random.key_data(leaf)
     shard_shape = leaf.sharding.shard_shape(leaf.shape)
+    block = _write_plan.block_shape(leaf.sharding, leaf.shape) or shard_shape
     writers = _write_plan.writers(leaf.sharding, leaf.shape)
     value = leaf
   elif type(leaf) in PY_SCALARS:
     python_type, np_type = PY_SCALARS[type(leaf)]
     kind, value = "scalar", np.asarray(leaf, dtype=np_type)
-    shard_shape = ()
+    shard_shape = block = ()
   elif isinstance(leaf, (np.ndarray, np.generic)):
     value = np.asarray(leaf)
-    shard_shape = value.shape
+    shard_shape = block = value.shape
   else:
     return None
   if not _storable(value.dtype):
@@ -316,7 +317,7 @@ def _entry(key: str, leaf: Any, chunk_bytes: int, bundle_bytes: int | None) -> E
     shape=shape,
     dtype=_zarr.zarr_dtype(dtype),
     chunks=chunks,
-    bundle=_bundle.choose(shape, shard_shape, chunks, dtype.itemsize, bundle_bytes, writers),
+    bundle=_bundle.choose(shape, block, chunks, dtype.itemsize, bundle_bytes, writers),
     kind=kind,
     python_type=python_type,
     prng_impl=impl,
