@@ -108,7 +108,8 @@ def test_each_device_reads_its_slice_of_one_sub_parameter(devices, tmp_path):
   sd = _fused(1)
   mesh = jax.make_mesh((2, 4), ("data", "model"))
   on_rows = NamedSharding(mesh, P("model"))  # saved in 4 row blocks of 16: q 0-1, k 2, v 3
-  ucp_jax.save(tmp_path / "c", {"params": {k: jax.device_put(v, on_rows) for k, v in sd.items()}})
+  tree = {"params": {k: jax.device_put(v, on_rows) for k, v in sd.items()}}
+  ucp_jax.save(tmp_path / "c", tree, bundle_bytes=None)  # a file per chunk, to damage apart
   assert ucp_jax.open(tmp_path / "c")["params/layers.0.qkv.weight"].chunks[0] == 16
   root = os.path.join(tmp_path, "c", "params", "layers.0.qkv.weight")
   target = {"layers": {"0": {"k": {"kernel": NamedSharding(mesh, P("model"))}}}}

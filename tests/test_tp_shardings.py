@@ -9,7 +9,7 @@ from chunk_reads import ChunkReads
 from jax.sharding import PartitionSpec as P
 
 import ucp_jax
-from ucp_jax.store import _chunks, _direct
+from ucp_jax.store import _bundle, _chunks
 from ucp_jax.tree import _tree
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "tp", "autotp_tp2_dp2", "ckpt")
@@ -65,7 +65,7 @@ def test_restore_on_any_model_axis(converted, monkeypatch, model):
     chunks = set()
     for region in reads.regions[key]:
       chunks |= set(_chunks.chunks_in(region, info.chunks))
-    chunk_files += [_direct.chunk_path(os.path.join(converted, key), i) for i in chunks]
+    chunk_files += [os.path.join(converted, key, _bundle.chunk_name(info, i)) for i in chunks]
   assert sorted(files_read) == sorted(chunk_files)
 
 
@@ -85,9 +85,8 @@ def test_a_device_slice_reads_only_its_chunks(converted, monkeypatch):
   for region in reads.regions[key]:
     by_region[(region[1].start, region[1].stop)] = list(_chunks.chunks_in(region, (16, 8)))
   assert by_region == {(0, 8): [(0, 0)], (8, 16): [(0, 1)]}
-  assert sorted(
-    os.path.basename(os.path.dirname(f)) + "/" + os.path.basename(f) for f in reads.files
-  ) == ["0/0", "0/1"]
+  names = sorted(os.path.relpath(f, os.path.join(converted, key)) for f in reads.files)
+  assert names == [_bundle.chunk_name(ckpt[key], (0, 0)), _bundle.chunk_name(ckpt[key], (0, 1))]
   np.testing.assert_array_equal(np.asarray(array["params"][key.split("/")[1]]), ckpt.read(key))
 
 

@@ -61,6 +61,7 @@ class StoredCheckpoint(Checkpoint):
     self.data = location.child(manifest.data)
     self.pool = _pool.location_of(location, manifest)
     self.origin = origin or dataclasses.replace(location, io_dir=None, pin=None)
+    self._zarr_opens: dict[str, ts.Future] = {}
 
   def array_location(self, key: str) -> _location.Location:
     """Where the zarr array of `key` lives: below `data`, or in its generation of the pool."""
@@ -70,6 +71,13 @@ class StoredCheckpoint(Checkpoint):
   def open_future(self, key: str) -> ts.Future:
     """Opens `key` as a lazy, read-only TensorStore whose every chunk read is checked."""
     return _checked_store(self, key)
+
+  def zarr_future(self, key: str) -> ts.Future:
+    """Opens the zarr array of `key` as it is stored (unchecked), once per checkpoint: its
+    `zarr.json` is one request on an object store, whoever asks (`verify`, reads)."""
+    if key not in self._zarr_opens:
+      self._zarr_opens[key] = _zarr.open_array(self.array_location(key), key)
+    return self._zarr_opens[key]
 
   def files(self, key: str) -> _direct.ArrayFiles | None:
     """The chunk files of `key`, when they can be read without TensorStore (local, raw)."""
@@ -214,7 +222,7 @@ def _checked_store(ckpt: StoredCheckpoint, key: str) -> ts.Future:
   files = ckpt.files(key)
   if files is not None:
     return _ready(_virtual(info, lambda index, out: _read_file_chunk(files, index, out)))
-  opened = _zarr.open_array(data, key)
+  opened = ckpt.zarr_future(key)
   where = f"{data}/{key}"
 
   def build(stored: ts.TensorStore) -> ts.TensorStore:

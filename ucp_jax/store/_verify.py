@@ -50,7 +50,7 @@ def verify(ckpt: Checkpoint, on_array: Callable[[str, int], None] | None = None)
 def _check_array(ckpt: Checkpoint, kvstore, key: str) -> str | None:
   info = ckpt[key]
   data = ckpt.array_location(key)
-  stored = _zarr.wait_open(ckpt.location, key, _zarr.open_array(data, key))
+  stored = _zarr.wait_open(ckpt.location, key, ckpt.zarr_future(key))
   problem = _zarr.metadata_problem(stored, info)
   if problem:
     return problem
