@@ -1,5 +1,6 @@
 """A real S3 server (moto's, on 127.0.0.1) behind a fault-injecting proxy of our own.
 
+The proxy also stands in front of a GCS server (`gcs_server`): it knows both APIs' requests.
 TensorStore's s3 driver talks HTTP/1.1 to the proxy, which forwards each request to the
 server unless a rule says otherwise. A rule picks requests by kind and method and does
 one of:
@@ -66,11 +67,16 @@ class Rule:
 
 
 def kind_of(method: str, target: str) -> str:
-  """The kind of request `method target` (see the module docstring)."""
+  """The kind of request `method target` (see the module docstring), in S3's API or GCS's
+  JSON API (`/storage/v1/b/BUCKET/o[/KEY]`, `/upload/storage/v1/b/BUCKET/o?name=KEY`)."""
   parsed = urllib.parse.urlsplit(target)
   query = urllib.parse.parse_qs(parsed.query, keep_blank_values=True)
-  key = urllib.parse.unquote(parsed.path).split("/", 2)[-1] if parsed.path.count("/") > 1 else ""
-  if method == "DELETE" or (method == "POST" and "delete" in query):
+  if parsed.path.startswith(("/storage/v1/b/", "/upload/storage/v1/b/", "/batch/")):
+    key = _gcs_key(parsed.path, query)
+  else:
+    path = urllib.parse.unquote(parsed.path)
+    key = path.split("/", 2)[-1] if path.count("/") > 1 else ""
+  if method == "DELETE" or (method == "POST" and "delete" in query) or "/batch/" in parsed.path:
     return "delete"
   if "list-type" in query or not key:
     return "list"
@@ -81,6 +87,14 @@ def kind_of(method: str, target: str) -> str:
   if key.endswith("zarr.json"):
     return "metadata"
   return "chunk"
+
+
+def _gcs_key(path: str, query: dict) -> str:
+  """The object a GCS JSON API request names ("" for a listing)."""
+  if path.startswith("/upload/"):
+    return query.get("name", [""])[0]
+  _, _, rest = path.partition("/o/")
+  return urllib.parse.unquote(rest)
 
 
 class FaultProxy:
@@ -127,10 +141,14 @@ class FaultProxy:
         for rule in rules:
           self.rules.remove(rule)
 
-  def seen(self, kind: str | None = None, what: str | None = None) -> int:
-    """How many requests of `kind` (any) the proxy saw, ending as `what` (any)."""
+  def seen(
+    self, kind: str | None = None, what: str | None = None, method: str | None = None
+  ) -> int:
+    """How many requests of `kind` and `method` (any) the proxy saw, ending as `what` (any)."""
     with self._lock:
-      return sum((kind in (None, k)) and (what in (None, w)) for k, _, _, w in self.log)
+      return sum(
+        kind in (None, k) and what in (None, w) and method in (None, m) for k, m, _, w in self.log
+      )
 
   def close(self) -> None:
     self._closed.set()
