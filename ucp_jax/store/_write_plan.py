@@ -35,9 +35,10 @@ class _Shard:
   """A part of the array that the same processes hold (one device region, or a process's
   block), the units it is cut into, and what each holder writes them from."""
 
-  units: tuple[Region, ...]  # the holders take turns, one writer each
+  units: tuple[tuple[tuple[Region, Mapping[int, Any]], ...], ...]
+  # each unit (the holders take turns, one writer each) as its parts in device regions,
+  # with the device of each holder that writes the part (process -> device)
   holders: tuple[int, ...]  # the processes holding it, in order
-  regions: tuple[tuple[Region, Mapping[int, Any]], ...]  # device regions: process -> a device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,12 +99,10 @@ def _pieces(key: str, number: int, shard: _Shard):
   `number`, the holders taking turns by key."""
   k = len(shard.holders)
   rotation = (zlib.crc32(key.encode()) + number) % k
-  for j, unit in enumerate(shard.units):
+  for j, parts in enumerate(shard.units):
     writer = shard.holders[(j + rotation) % k]
-    for region, devices in shard.regions:
-      piece = unit if len(shard.regions) == 1 else _regions.overlap(unit, region)
-      if piece is not None:
-        yield writer, devices[writer], piece
+    for piece, devices in parts:
+      yield writer, devices[writer], piece
 
 
 def of_sharding(key: str, sharding: Any, shape: Sequence[int], chunks: Sequence[int], process: int):
@@ -170,21 +169,29 @@ def _split_all(index_map: Mapping[Any, tuple], shape, unit, process_of) -> _Layo
     regions.append((region, holders))
   if all(_within(region, unit, shape) for region, _ in groups):
     shards = [
-      _Shard(split(region, unit, shape, len(holders)), tuple(sorted(holders)), ((region, holders),))
+      _Shard(
+        tuple(((slab, holders),) for slab in split(region, unit, shape, len(holders))),
+        tuple(sorted(holders)),
+      )
       for region, holders in regions
     ]
   else:
     grid = blocks(index_map, shape, process_of, groups)
     if grid is None or not all(_within(u, unit, shape) for u, *_ in grid.blocks):
       raise ValueError(f"units {unit} span the shards of several processes")  # save chose them
-    shards = [
-      _Shard(
-        tuple(_units(block, unit, shape)) if len(holders) > 1 else (block,),
-        holders,
-        tuple(regions[n] for n in inside),
-      )
-      for block, holders, inside in grid.blocks
-    ]
+    shards = []
+    for block, holders, inside in grid.blocks:
+      units = _units(block, unit, shape) if len(holders) > 1 else [block]
+      parts = [
+        tuple(
+          (piece, regions[n][1])
+          for n in inside
+          for piece in [_regions.overlap(u, regions[n][0])]
+          if piece is not None
+        )
+        for u in units
+      ]
+      shards.append(_Shard(tuple(parts), holders))
   by_process: dict[int, list[int]] = {}
   for number, shard in enumerate(shards):
     for process in shard.holders:
