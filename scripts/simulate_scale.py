@@ -105,7 +105,8 @@ def plan_save(state, m: Mesh, chunk_bytes: int, bundle_bytes: int | None, proces
     shard = sharding.shard_shape(shape)
     chunks[key] = _zarr.choose_chunks(shape, shard, ITEMSIZE, chunk_bytes)
     writers = _write_plan.writers(sharding, shape)
-    bundle = _bundle.choose(shape, shard, chunks[key], ITEMSIZE, bundle_bytes, writers)
+    block = _write_plan.block_shape(sharding, shape) or shard  # what one process holds
+    bundle = _bundle.choose(shape, block, chunks[key], ITEMSIZE, bundle_bytes, writers)
     files[key] = bundle or chunks[key]
     plans[key] = _write_plan.of_sharding(key, sharding, shape, files[key], process)
   return chunks, files, plans, time.perf_counter() - start
