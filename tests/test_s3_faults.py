@@ -399,3 +399,28 @@ def test_a_restore_reads_each_zarr_json_once(s3):
   before = s3.proxy.seen("metadata")
   assert _check_value(spec) == 2.0  # verify, then restore: each opens every array
   assert s3.proxy.seen("metadata") - before == 2 * arrays
+
+
+def test_a_restore_reads_each_bundle_in_one_request(s3):
+  """A process's chunks of a bundle are read in one batch: TensorStore coalesces them (and
+  the bundle's index) into one ranged GET, not a GET per chunk and index."""
+  import jax
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  spec = _spec(s3, s3.bucket())
+  mesh8 = jax.make_mesh((8,), ("d",))
+  w = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+  state = {f"w{i}": jax.device_put(w + i, NamedSharding(mesh8, P("d"))) for i in range(4)}
+  ucp_jax.save(spec, state, chunk_bytes=1024)  # 8 chunks, one bundle, per array
+  assert all(ucp_jax.open(spec)[k].bundle == (64, 32) for k in state)
+  mesh = jax.make_mesh((2, 4), ("a", "b"))
+  target = {k: NamedSharding(mesh, P("b", "a")) for k in state}  # 8 slices, each in 2 chunks
+  before = s3.proxy.seen("chunk", method="GET")
+  out = ucp_jax.restore(spec, target)
+  assert s3.proxy.seen("chunk", method="GET") - before == len(state)
+  for i, k in enumerate(sorted(state)):
+    np.testing.assert_array_equal(np.asarray(out[k]), w + i)
+  before = s3.proxy.seen("chunk", method="GET")
+  np.testing.assert_array_equal(ucp_jax.open(spec).read("w2"), w + 2)  # a whole array: one too
+  assert s3.proxy.seen("chunk", method="GET") - before == 1

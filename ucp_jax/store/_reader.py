@@ -18,6 +18,7 @@ import numpy as np
 
 from ucp_jax import _errors
 from ucp_jax.store import (
+  _batched_reads,
   _bundle,
   _byte_runs,
   _chunks,
@@ -103,8 +104,9 @@ class StoredCheckpoint(Checkpoint):
       return False
 
   def reads_directly(self, key: str) -> bool:
-    """Whether `start_read` reads `key` without TensorStore (its chunk files, on a local disk)."""
-    return self.files(key) is not None
+    """Whether `start_read` reads `key` into aligned buffers itself: its chunk files on a
+    local disk, or its chunks on an object store in coalesced batches (`_batched_reads`)."""
+    return self.files(key) is not None or self.array_location(key).local_dir is None
 
   def start_read(self, key: str, regions: list) -> tuple[list[np.ndarray], Any]:
     """Starts reading `regions` of `key` into aligned host buffers (`reads_directly` keys).
@@ -113,9 +115,18 @@ class StoredCheckpoint(Checkpoint):
     went wrong).
     """
     files = self.files(key)
-    if files is None:
+    if files is not None:
+      tasks = _direct.chunk_reads(files, regions)
+      return _byte_runs.start_read(regions, files.info.dtype, tasks)
+    data = self.array_location(key)
+    if data.local_dir is not None:
       raise ValueError(f"`{key}` is not read directly; read it through open_future")
-    return _byte_runs.start_read(regions, files.info.dtype, _direct.chunk_reads(files, regions))
+    info = self[key]
+    stored = _zarr.wait_open(self.location, key, self.zarr_future(key))
+    problem = _zarr.metadata_problem(stored, info)
+    if problem:  # TensorStore would decode by the unsealed zarr.json: never trust it alone
+      raise _errors.CorruptCheckpointError(f"{data}/{key}: `{key}`: {problem}")
+    return _batched_reads.start_read(self.location, f"{data}/{key}", key, info, stored, regions)
 
   def replaced(self) -> bool:
     """Whether another save has replaced the checkpoint at this path since it was opened.
