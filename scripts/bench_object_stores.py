@@ -16,7 +16,7 @@ Both libraries write and read the arrays through TensorStore, with the same dura
 object store has no fsync: a PUT that returned is stored), into a fresh path each round.
 Reported: medians and ranges, the ratios, and the objects per checkpoint of each.
 
-Orbax runs on gs:// only: for s3:// its TensorStore spec builder (orbax-checkpoint 0.11)
+Orbax runs on gs:// only: for s3:// its TensorStore spec builder (orbax-checkpoint 0.12.8)
 takes the path for a local one ("Checkpoint path should be absolute. Got s3:/..."). Its
 metadata files go through gcsfs (etils' gs:// paths), which the GCS server also answers.
 
@@ -98,7 +98,9 @@ def main() -> int:
   parser.add_argument("--size-mb", type=int, default=256)
   parser.add_argument("--arrays", type=int, default=16)
   parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--bundle-mib", type=float, default=None, help="ucp_jax's bundle_bytes")
   args = parser.parse_args()
+  options = {} if args.bundle_mib is None else {"bundle_bytes": int(args.bundle_mib * MiB)}
 
   server, port = _start_server(args.store)
   if args.store == "gcs":
@@ -131,7 +133,7 @@ def main() -> int:
       k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh2, P("y", "x")))
       for k, v in host.items()
     }
-    ucp_jax.save(spec, state)
+    ucp_jax.save(spec, state, **options)
 
     def listing(path: str) -> list[str]:
       kv = ts.KvStore.open(_spec(args.store, port, path), context=_location.context()).result()
@@ -145,7 +147,7 @@ def main() -> int:
     rounds = {name: iter(range(1, 10**6)) for name in ("ucp", "orbax", "put")}
 
     def ucp_save():  # a new step's path, as a training loop saves: nothing replaced
-      ucp_jax.save({**spec, "path": f"ckpt{next(rounds['ucp'])}"}, state)
+      ucp_jax.save({**spec, "path": f"ckpt{next(rounds['ucp'])}"}, state, **options)
 
     def put_bound():
       n = next(rounds["put"])

@@ -7,6 +7,7 @@ damaged or rearranged bundle is an error on every path, as a damaged chunk file 
 
 import filecmp
 import itertools
+import math
 import os
 import re
 
@@ -347,3 +348,26 @@ def test_a_failed_bundle_write_closes_its_file(tmp_path, monkeypatch):
   leaked = [os.readlink(f"/proc/self/fd/{n}") for n in set(os.listdir("/proc/self/fd")) - before]
   assert not [p for p in leaked if "ucp-tmp" in p], leaked
   assert os.listdir(tmp_path) == []
+
+
+def test_auto_bundles_are_smaller_on_object_stores(tmp_path):
+  """`bundle_bytes="auto"` (the default): 256 MiB on a local disk, 16 MiB on an object store,
+  where each bundle is one PUT and more of them keep more streams in flight."""
+  x = np.zeros((2048, 4096), np.float32)  # 32 MiB, in 1 MiB chunks
+  memory = f"memory://ucp_bundles_{next(_ids)}"
+  for path in (tmp_path / "local", memory):
+    ucp_jax.save(path, {"x": x}, chunk_bytes=1 << 20)
+  assert ucp_jax.open(tmp_path / "local")["x"].bundle == (2048, 4096)
+  assert ucp_jax.open(memory)["x"].bundle == (1024, 4096)
+  ucp_jax.save(f"{memory}-256", {"x": x}, chunk_bytes=1 << 20, bundle_bytes=_bundle.BUNDLE_BYTES)
+  assert ucp_jax.open(f"{memory}-256")["x"].bundle == (2048, 4096)
+  safetensors = pytest.importorskip("safetensors.numpy")
+  (tmp_path / "hf").mkdir()  # a conversion to an object store bundles the same way
+  safetensors.save_file({"x": x}, str(tmp_path / "hf" / "model.safetensors"))
+  ucp_jax.convert(tmp_path / "hf", tmp_path / "converted")
+  ucp_jax.convert(tmp_path / "hf", f"{memory}-converted")
+  on_disk, remote = (
+    ucp_jax.open(p)["params/x"] for p in (tmp_path / "converted", f"{memory}-converted")
+  )
+  assert math.prod(on_disk.bundle) * 4 == 32 << 20
+  assert math.prod(remote.bundle) * 4 == 16 << 20

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any
+from typing import Any, Literal
 
 import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import future as ocp_future
 
 from ucp_jax import _errors
-from ucp_jax.store import _bundle, _location, _manifest, _reader, _zarr
+from ucp_jax.store import _location, _manifest, _reader, _zarr
 from ucp_jax.tree import _async, _restore, _save, _unchanged
 
 
@@ -178,7 +178,7 @@ class UcpSave(ocp.args.CheckpointArgs):
   compression: str | None = None
   max_host_bytes: int = _save.DEFAULT_HOST_BYTES
   chunk_bytes: int = _zarr.CHUNK_BYTES
-  bundle_bytes: int | None = _bundle.BUNDLE_BYTES
+  bundle_bytes: int | Literal["auto"] | None = "auto"
   durable: bool = True
   incremental: bool = True
   unchanged: _unchanged.Unchanged = "identity"

@@ -21,7 +21,7 @@ from ucp_jax import _errors, _multihost
 from ucp_jax._errors import SourceFormatError
 from ucp_jax.sources import _registry, _source_plan
 from ucp_jax.sources._source_plan import Tensor, release
-from ucp_jax.store import _location
+from ucp_jax.store import _bundle, _location
 from ucp_jax.store._manifest import ArrayInfo, Manifest
 from ucp_jax.store._writer import Writer
 
@@ -125,7 +125,8 @@ def convert(
   start = time.perf_counter()
   plan = _registry.describe(src, source, **options)
   target = _location.resolve(dst)
-  manifest, tensors = _source_plan.manifest_of(plan)
+  bundle_bytes = _bundle.limit_for(target.local_dir is not None)
+  manifest, tensors = _source_plan.manifest_of(plan, bundle_bytes)
   _check_growth(plan, manifest.nbytes)
   _write(target, manifest, tensors, overwrite=overwrite, progress=progress, durable=durable)
   return ConvertReport(

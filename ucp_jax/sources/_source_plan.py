@@ -294,17 +294,19 @@ def _mapping(array: np.ndarray) -> mmap.mmap | None:
   return base if isinstance(base, mmap.mmap) and not base.closed else None
 
 
-def _stored_as(tensor: Tensor, shard, **fields) -> ArrayInfo:
+def _stored_as(tensor: Tensor, shard, bundle_bytes: int | None, **fields) -> ArrayInfo:
   """How a converted tensor is stored: chunks aligned to the shards the source split it
   into, if any, so that restoring onto that split reads each shard's own bytes; bundles as
   large as one writer's (the whole array, up to the bundle limit)."""
   dtype = np.dtype(tensor.dtype)
   chunks = _zarr.choose_chunks(tensor.shape, shard or tensor.shape, dtype.itemsize)
-  bundle = _bundle.choose(tensor.shape, tensor.shape, chunks, dtype.itemsize)
+  bundle = _bundle.choose(tensor.shape, tensor.shape, chunks, dtype.itemsize, bundle_bytes)
   return ArrayInfo(tensor.shape, _zarr.zarr_dtype(dtype), chunks, bundle=bundle, **fields)
 
 
-def layout(plan: Plan) -> tuple[dict[str, tuple[ArrayInfo, Tensor]], dict]:
+def layout(
+  plan: Plan, bundle_bytes: int | None = _bundle.BUNDLE_BYTES
+) -> tuple[dict[str, tuple[ArrayInfo, Tensor]], dict]:
   """The arrays of the plan by checkpoint key, in write order, and the manifest's schema.
 
   `params/NAME` holds each parameter's value, `SLOT/NAME` its optimizer slots
@@ -314,7 +316,7 @@ def layout(plan: Plan) -> tuple[dict[str, tuple[ArrayInfo, Tensor]], dict]:
 
   def add(prefix: str, name: str, tensor: Tensor, role: str, shard=None) -> str:
     key = _keypath.join([prefix, name])
-    jobs[key] = (_stored_as(tensor, shard, role=role), tensor)
+    jobs[key] = (_stored_as(tensor, shard, bundle_bytes, role=role), tensor)
     return key
 
   entries = {}
@@ -337,7 +339,7 @@ def layout(plan: Plan) -> tuple[dict[str, tuple[ArrayInfo, Tensor]], dict]:
       entries[p.name]["value"] = values.get(p.tied_to)
   buffers = {name: add("buffers", name, t, "buffer") for name, t in plan.buffers.items()}
   for key, tensor in plan.arrays.items():  # a pytree's leaves, at their own keys
-    jobs[key] = (_stored_as(tensor, None, **tensor.info), tensor)
+    jobs[key] = (_stored_as(tensor, None, bundle_bytes, **tensor.info), tensor)
   if plan.arrays and not plan.params and not plan.buffers:
     return jobs, plan.schema
   schema = {
@@ -404,9 +406,12 @@ def _fill(pieces: Sequence[Any], outs: Sequence[np.ndarray]) -> None:
     task.result()
 
 
-def manifest_of(plan: Plan) -> tuple[Manifest, dict[str, Tensor]]:
-  """The manifest a conversion of `plan` writes, and the tensor behind each of its arrays."""
-  jobs, schema = layout(plan)
+def manifest_of(
+  plan: Plan, bundle_bytes: int | None = _bundle.BUNDLE_BYTES
+) -> tuple[Manifest, dict[str, Tensor]]:
+  """The manifest a conversion of `plan` writes (bundles of at most `bundle_bytes`), and the
+  tensor behind each of its arrays."""
+  jobs, schema = layout(plan, bundle_bytes)
   arrays = {key: info for key, (info, _) in jobs.items()}
   manifest = Manifest(
     arrays=arrays,

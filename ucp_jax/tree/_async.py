@@ -15,14 +15,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import weakref
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import numpy as np
 
 from ucp_jax import _multihost
 from ucp_jax.store import (
-  _bundle,
   _location,
   _manifest,
   _reader,
@@ -79,7 +78,7 @@ def save_async(
   compression: str | None = None,
   max_host_bytes: int = _save.DEFAULT_HOST_BYTES,
   chunk_bytes: int = _zarr.CHUNK_BYTES,
-  bundle_bytes: int | None = _bundle.BUNDLE_BYTES,
+  bundle_bytes: int | Literal["auto"] | None = "auto",
   durable: bool = True,
   schema: dict | None = None,
   source: dict | None = None,
@@ -114,7 +113,8 @@ def save_async(
     compression: None (default) or "zstd".
     max_host_bytes: bound on bytes handed to the store at once while writing.
     chunk_bytes: largest zarr chunk.
-    bundle_bytes: largest bundle of chunks in one file (see `save`); None: a file per chunk.
+    bundle_bytes: largest bundle of chunks in one file (see `save`; "auto": 256 MiB on a
+      local disk, 16 MiB on an object store); None: a file per chunk.
     durable: fsync before the commit (see `save`).
     schema: universal parameter schema (filled by the Flax/Optax helpers).
     source: description of where the state came from (filled by converters).

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import numpy as np
@@ -42,7 +42,7 @@ def save(
   compression: str | None = None,
   max_host_bytes: int = DEFAULT_HOST_BYTES,
   chunk_bytes: int = _zarr.CHUNK_BYTES,
-  bundle_bytes: int | None = _bundle.BUNDLE_BYTES,
+  bundle_bytes: int | Literal["auto"] | None = "auto",
   durable: bool = True,
   schema: dict | None = None,
   source: dict | None = None,
@@ -76,9 +76,10 @@ def save(
     compression: None (default: the disk is faster than the codec) or "zstd".
     max_host_bytes: bound on array bytes held in host memory at once.
     chunk_bytes: largest zarr chunk; chunks align to the shards and split below this.
-    bundle_bytes: largest bundle of chunks stored as one file (zarr's sharding codec):
-      each shard's chunks go in one file, or several when it is larger than this. None
-      writes one file per chunk.
+    bundle_bytes: largest bundle of chunks stored as one file (zarr's sharding codec): the
+      chunks each process holds of an array go in one file, or several when it is larger
+      than this. "auto": 256 MiB on a local disk, 16 MiB on an object store (each bundle is
+      one PUT: smaller ones keep more in flight). None writes one file per chunk.
     durable: fsync every file and directory before the commit (the default), so that a
       committed checkpoint survives a power loss or kernel crash; False skips the
       fsyncs (faster, for checkpoints that are cheap to lose).
@@ -134,7 +135,9 @@ def plan_marked(tree, flat, found, target, base, pool_levels, unchanged, compres
   """`prepare`'s entries and manifest, the entries unchanged since `base` marked for reuse;
   the base opened (`found["base"]`, None without one) and the pool's levels (`found["levels"]`)
   are kept for the write."""
-  entries, manifest = prepare(tree, leaves=flat, **options)
+  local = target.local_dir is not None
+  bundle_bytes = _bundle.limit_for(local, options.get("bundle_bytes", _bundle.AUTO))
+  entries, manifest = prepare(tree, leaves=flat, **{**options, "bundle_bytes": bundle_bytes})
   base_ckpt = found["base"] = None if base is None else _unchanged.open_base(base)
   levels = found["levels"] = _pool.levels_for(target, base_ckpt, pool_levels)
   marked = _unchanged.mark(
