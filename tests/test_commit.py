@@ -369,12 +369,15 @@ def test_an_unanswering_store_is_an_error_within_the_timeout():
 
 
 def test_ctrl_c_stops_a_wait_on_a_store():
+  """Ctrl-C once the command waits on its first request (the store has its connection)."""
   server, spec = _silent_endpoint()
   with server:
     proc = _ucp(["inspect", spec], UCP_STORE_TIMEOUT_S="600")
-    threading.Event().wait(3)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=30)
+    server.settimeout(300)  # a hang detector, not a timer
+    connection, _ = server.accept()
+    with connection:
+      proc.send_signal(signal.SIGINT)
+      _, err = proc.communicate(timeout=60)
   assert proc.returncode == 130, err
   assert "Traceback" not in err
 
