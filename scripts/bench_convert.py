@@ -235,7 +235,7 @@ def check(ucp_out: str, ds_out: str) -> int:
   import numpy as np
 
   import ucp_jax
-  from ucp_jax.sources.torch import _torch_file
+  from ucp_jax.sources._torch_reader import _torch_file
 
   ckpt = ucp_jax.open(ucp_out)
   count = 0

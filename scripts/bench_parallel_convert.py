@@ -43,7 +43,7 @@ import make_zero3_checkpoint as z3
 
 
 def _ucp(src: str, out: str, processes: int) -> list[str]:
-  return [sys.executable, "-m", "ucp_jax._cli", "convert", src, out, "--processes", str(processes)]
+  return [sys.executable, "-m", "ucp_jax.cli", "convert", src, out, "--processes", str(processes)]
 
 
 def _ds(tag_dir: str, out: str, extract: int, merge: int) -> list[str]:

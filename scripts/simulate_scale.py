@@ -35,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ucp_jax
-from ucp_jax import _multihost
+from ucp_jax.base import _multihost
 from ucp_jax.store import _bundle, _chunks, _regions, _write_plan, _zarr
 
 DEVICES_PER_PROCESS = 8

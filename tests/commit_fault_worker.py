@@ -132,9 +132,9 @@ def write(path, value: float, how: str, source: str | None) -> None:
   elif how == "convert":
     ucp_jax.convert(source, path, overwrite=True)
   elif how == "convert-2proc":
-    from ucp_jax import _cli
+    from ucp_jax import cli
 
-    code = _cli.main(["convert", source, path, "--processes", "2", "--overwrite"])
+    code = cli.main(["convert", source, path, "--processes", "2", "--overwrite"])
     sys.stdout.flush()
     os._exit(code)  # as the `ucp` command exits
   else:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 import ucp_jax
-from ucp_jax.sources.torch import _torch_file
+from ucp_jax.sources._torch_reader import _torch_file
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "deepspeed"
 NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "info.json").is_file())

@@ -32,7 +32,8 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import ucp_jax  # noqa: E402
-from ucp_jax import _cli, _errors  # noqa: E402
+from ucp_jax import cli  # noqa: E402
+from ucp_jax.base import _errors  # noqa: E402
 from ucp_jax.store import _keypath  # noqa: E402
 
 faulthandler.enable()
@@ -42,7 +43,7 @@ MESH = jax.make_mesh((8,), ("data",))
 def _cli_call(argv: list[str]) -> tuple[str, str]:
   out, err = io.StringIO(), io.StringIO()
   with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-    code = _cli.main(argv)
+    code = cli.main(argv)
   text = err.getvalue()
   if code == 0:
     return "ok", text

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ucp_jax
-from ucp_jax import _multihost
+from ucp_jax.base import _multihost
 from ucp_jax.tree import _save
 
 _WRITE = _save.Writer._write_entries

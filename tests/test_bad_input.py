@@ -414,7 +414,7 @@ def test_a_name_that_is_not_valid_unicode_is_an_invalid_key(tmp_path):
 def test_a_hostile_file_name_looks_the_same_from_every_reader(tmp_path, capsys):
   """One kit shows foreign names in messages: a terminal escape and a newline in a file name
   come out escaped, the same from the sniffing of every source and from one source's own."""
-  from ucp_jax import _cli
+  from ucp_jax import cli
 
   folder = tmp_path / "odd"
   folder.mkdir()
@@ -422,7 +422,7 @@ def test_a_hostile_file_name_looks_the_same_from_every_reader(tmp_path, capsys):
   (folder / hostile).write_text("")
   expected = repr(hostile)
   for extra in ([], ["--from", "deepspeed"]):
-    assert _cli.main(["convert", str(folder), str(tmp_path / "out"), *extra]) == 2
+    assert cli.main(["convert", str(folder), str(tmp_path / "out"), *extra]) == 2
     err = capsys.readouterr().err
     assert f"Found: {expected}" in err or f"found: {expected}" in err.lower(), err
     assert "\x1b" not in err and len(err.strip().splitlines()) == 1, err

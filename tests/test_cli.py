@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import ucp_jax
-from ucp_jax import _cli, _progress
+from ucp_jax import cli
+from ucp_jax.cli import _progress
 
 
 @pytest.fixture
@@ -27,14 +28,14 @@ def ckpt(tmp_path):
 
 
 def test_inspect_table(ckpt, capsys):
-  assert _cli.main(["inspect", str(ckpt)]) == 0
+  assert cli.main(["inspect", str(ckpt)]) == 0
   out = capsys.readouterr().out
   assert "params/w" in out and "(4, 8)" in out and "float32" in out and "128 B" in out
   assert "3 arrays" in out and "168 B" in out
 
 
 def test_inspect_json(ckpt, capsys):
-  assert _cli.main(["inspect", str(ckpt), "--json"]) == 0
+  assert cli.main(["inspect", str(ckpt), "--json"]) == 0
   data = json.loads(capsys.readouterr().out)
   assert data["step"] == 3 and data["total_bytes"] == 168 and data["total_arrays"] == 3
   assert data["arrays"]["params/b"] == {"shape": [8], "dtype": "int32", "chunks": [8], "bytes": 32}
@@ -42,14 +43,14 @@ def test_inspect_json(ckpt, capsys):
 
 
 def test_verify_ok_and_bad(ckpt, capsys):
-  assert _cli.main(["verify", str(ckpt)]) == 0
+  assert cli.main(["verify", str(ckpt)]) == 0
   assert "OK, 3 arrays" in capsys.readouterr().out
   chunk = next(p for p in (ckpt / "params" / "w" / "c").rglob("*") if p.is_file())
   raw = bytearray(chunk.read_bytes())
   raw[0] ^= 1
   chunk.write_bytes(bytes(raw))
   (ckpt / "step" / "c").unlink()  # the one chunk of a 0-d array
-  assert _cli.main(["verify", str(ckpt)]) == 1
+  assert cli.main(["verify", str(ckpt)]) == 1
   out = capsys.readouterr().out
   assert (
     "2 bad array(s)" in out
@@ -77,13 +78,13 @@ def test_a_bad_path_gets_the_same_words_from_every_command(tmp_path, capsys):
       ["diff", path, path],
       ["export", path, str(tmp_path / "out"), "--format", "hf"],
     ):
-      assert _cli.main(argv) == 2, argv
+      assert cli.main(argv) == 2, argv
       assert capsys.readouterr().err == f"error: {path}: {words}\n", argv
 
 
 def test_console_script_runs(ckpt):
   proc = subprocess.run(
-    [sys.executable, "-m", "ucp_jax._cli", "verify", str(ckpt)],
+    [sys.executable, "-m", "ucp_jax.cli", "verify", str(ckpt)],
     capture_output=True,
     text=True,
     timeout=120,
@@ -94,7 +95,7 @@ def test_console_script_runs(ckpt):
 
 @pytest.mark.slow
 def test_demo_small(tmp_path, capsys):
-  assert _cli.main(["demo", "--out", str(tmp_path / "demo"), "--steps", "2"]) == 0
+  assert cli.main(["demo", "--out", str(tmp_path / "demo"), "--steps", "2"]) == 0
   out = capsys.readouterr().out
   assert "bit-identical to the saved state: True" in out and "PASS" in out
   rows = [line.split()[0] for line in out.splitlines() if re.match(r" +\d+ +\d", line)]
@@ -121,7 +122,7 @@ def test_failed_commands_print_one_line_and_commit_nothing(tmp_path, capsys):
     (["verify", str(tmp_path / "f")], "a file that is no checkpoint ucp_jax reads"),
   ]
   for argv, message in cases:
-    assert _cli.main(argv) == 2, argv
+    assert cli.main(argv) == 2, argv
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1, err
@@ -130,24 +131,24 @@ def test_failed_commands_print_one_line_and_commit_nothing(tmp_path, capsys):
 
 def test_inspect_and_verify_read_a_deepspeed_folder_in_place(tmp_path, capsys):
   src = str(FIXTURES / "deepspeed" / "z2_fp32_dp2" / "ckpt")
-  assert _cli.main(["inspect", src, "--json"]) == 0
+  assert cli.main(["inspect", src, "--json"]) == 0
   listed = json.loads(capsys.readouterr().out)
-  assert _cli.main(["convert", src, str(tmp_path / "c")]) == 0
+  assert cli.main(["convert", src, str(tmp_path / "c")]) == 0
   capsys.readouterr()
-  assert _cli.main(["inspect", str(tmp_path / "c"), "--json"]) == 0
+  assert cli.main(["inspect", str(tmp_path / "c"), "--json"]) == 0
   converted = json.loads(capsys.readouterr().out)
   assert listed["arrays"] == converted["arrays"] and listed["step"] == converted["step"]
   assert listed["source"]["format"] == "deepspeed"
-  assert _cli.main(["verify", src]) == 0
+  assert cli.main(["verify", src]) == 0
   assert f"{src}: OK, 23 arrays, 11.5 KiB read in" in capsys.readouterr().out
   assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
 
 
 def test_convert_onto_a_checkpoint_names_the_flag(tmp_path, capsys):
   src, dst = str(FIXTURES / "deepspeed" / "z2_fp32_dp2" / "ckpt"), str(tmp_path / "out")
-  assert _cli.main(["convert", src, dst]) == 0
+  assert cli.main(["convert", src, dst]) == 0
   assert capsys.readouterr().err == ""  # no progress noise where stderr is not a terminal
-  assert _cli.main(["convert", src, dst]) == 2
+  assert cli.main(["convert", src, dst]) == 2
   err = capsys.readouterr().err
   assert "pass --overwrite" in err and "overwrite=True" not in err
 
@@ -159,20 +160,20 @@ def test_os_errors_and_interrupts_are_one_line(tmp_path, capsys, monkeypatch):
     raise PermissionError(13, "Permission denied", "/data/out")
 
   monkeypatch.setattr(_convert, "convert", fail)
-  assert _cli.main(["convert", str(tmp_path), str(tmp_path / "out")]) == 2
+  assert cli.main(["convert", str(tmp_path), str(tmp_path / "out")]) == 2
   assert capsys.readouterr().err == "error: /data/out: Permission denied\n"
 
   def interrupt(*args, **kwargs):
     raise KeyboardInterrupt
 
   monkeypatch.setattr(_convert, "convert", interrupt)
-  assert _cli.main(["convert", str(tmp_path), str(tmp_path / "out")]) == 130
+  assert cli.main(["convert", str(tmp_path), str(tmp_path / "out")]) == 130
   assert capsys.readouterr().err == "interrupted\n"
 
 
 def test_progress_lines_where_stderr_is_not_a_terminal(ckpt, capsys, monkeypatch):
   monkeypatch.setattr(_progress.Reporter, "interval", 0.0)
-  assert _cli.main(["verify", str(ckpt)]) == 0
+  assert cli.main(["verify", str(ckpt)]) == 0
   lines = capsys.readouterr().err.splitlines()
   assert re.fullmatch(r"verify: 168 B of 168 B \(100%\) in \d+ s, at step", lines[-1]), lines
   assert all(line.startswith("verify: ") for line in lines)
@@ -197,23 +198,23 @@ def test_a_progress_log_says_it_is_alive_while_a_large_item_runs(capsys):
 
 def test_staging_directory_is_refused(ckpt, tmp_path, capsys):
   staging = ckpt.rename(tmp_path / ".ckpt.ucp-tmp-00000000000000ff")
-  assert _cli.main(["inspect", str(staging)]) == 2
+  assert cli.main(["inspect", str(staging)]) == 2
   assert "staging directory of a save to" in capsys.readouterr().err
 
 
 def test_demo_arguments_checked_first(tmp_path, capsys):
   with pytest.raises(SystemExit) as e:
-    _cli.main(["demo", "--steps", "0"])
+    cli.main(["demo", "--steps", "0"])
   assert e.value.code == 2 and "not a positive integer" in capsys.readouterr().err
   (tmp_path / "f").write_text("x")
-  assert _cli.main(["demo", "--out", str(tmp_path / "f"), "--steps", "1"]) == 2
+  assert cli.main(["demo", "--out", str(tmp_path / "f"), "--steps", "1"]) == 2
   assert "a file is in the way" in capsys.readouterr().err
 
 
 def test_export_says_when_rules_are_not_used(tmp_path, capsys):
   pytest.importorskip("torch")
   src = str(FIXTURES / "deepspeed" / "z2_fp32_dp2" / "ckpt")
-  assert _cli.main(["convert", src, str(tmp_path / "ckpt")]) == 0
+  assert cli.main(["convert", src, str(tmp_path / "ckpt")]) == 0
   argv = [
     "export",
     "--format",
@@ -223,12 +224,11 @@ def test_export_says_when_rules_are_not_used(tmp_path, capsys):
     "--rules",
     "gpt2:num_heads=4",
   ]
-  assert _cli.main(argv) == 0
+  assert cli.main(argv) == 0
   out = capsys.readouterr().out
   assert "note: rules were not used: the checkpoint's parameters already have torch names" in out
   assert (
-    _cli.main(["export", "--format", "deepspeed", str(tmp_path / "ckpt"), str(tmp_path / "ds")])
-    == 2
+    cli.main(["export", "--format", "deepspeed", str(tmp_path / "ckpt"), str(tmp_path / "ds")]) == 2
   )
   assert "pass --overwrite to replace it" in capsys.readouterr().err
 
@@ -236,7 +236,7 @@ def test_export_says_when_rules_are_not_used(tmp_path, capsys):
 def test_inspect_says_when_there_is_no_optimizer_state(tmp_path, capsys):
   torch = pytest.importorskip("torch")
   torch.save({"w": torch.ones(2)}, tmp_path / "model.pt")
-  assert _cli.main(["inspect", str(tmp_path / "model.pt")]) == 0
+  assert cli.main(["inspect", str(tmp_path / "model.pt")]) == 0
   assert "parameters: 1 (0 frozen), named the torch way; no optimizer state (weights alone)" in (
     capsys.readouterr().out
   )
@@ -255,7 +255,7 @@ def test_inspect_piped_shows_whole_keys_and_the_parameter_groups(tmp_path):
   tx = optax.adamw(1e-3, weight_decay=0.05)
   ucp_jax.save_train_state(tmp_path / "c", model, nnx.Optimizer(model, tx, wrt=nnx.Param))
   run = subprocess.run(
-    [sys.executable, "-m", "ucp_jax._cli", "inspect", str(tmp_path / "c")],
+    [sys.executable, "-m", "ucp_jax.cli", "inspect", str(tmp_path / "c")],
     capture_output=True,
     text=True,
   )
@@ -271,9 +271,9 @@ def test_ctrl_c_while_the_command_starts_prints_no_traceback():
   code = (
     "import os, signal, sys\n"
     "sys.argv = ['/venv/bin/ucp', 'inspect', 'x']\n"
-    "import ucp_jax._startup\n"
+    "import ucp_jax.base._startup\n"
     "os.kill(os.getpid(), signal.SIGINT)\n"
-    "import ucp_jax._cli\n"
+    "import ucp_jax.cli\n"
     "print('not reached')\n"
   )
   run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -283,7 +283,7 @@ def test_ctrl_c_while_the_command_starts_prints_no_traceback():
 def test_diff_says_how_many_keys_it_did_not_list(tmp_path, capsys):
   ucp_jax.save(tmp_path / "a", {f"k{i}": np.ones(2) for i in range(25)})
   ucp_jax.save(tmp_path / "b", {"k0": np.ones(2)})
-  assert _cli.main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+  assert cli.main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
   out = capsys.readouterr().out
   assert out.count("  only in ") == 20 and f"... and 4 more only in {tmp_path / 'a'}" in out
 
@@ -291,7 +291,7 @@ def test_diff_says_how_many_keys_it_did_not_list(tmp_path, capsys):
 def test_native_log_lines_are_kept_out_of_a_logged_command():
   code = (
     "import os\n"
-    "from ucp_jax import _native_logs\n"
+    "from ucp_jax.cli import _native_logs\n"
     "with _native_logs.filtered():\n"
     "  os.write(2, b'WARNING: All log messages before absl::InitializeLog() is called are "
     "written to STDERR\\n')\n"
@@ -310,9 +310,9 @@ def test_native_log_lines_are_kept_out_of_a_logged_command():
 
 
 def test_version_names_the_package(capsys):
-  from ucp_jax import _cli
+  from ucp_jax import cli
 
   with pytest.raises(SystemExit) as exit_info:
-    _cli.main(["--version"])
+    cli.main(["--version"])
   assert exit_info.value.code == 0
   assert capsys.readouterr().out.startswith("ucp_jax ")

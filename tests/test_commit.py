@@ -347,7 +347,7 @@ def _silent_endpoint():
 def _ucp(args, **env):
   environ = {**os.environ, "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y", **env}
   return subprocess.Popen(
-    [sys.executable, "-m", "ucp_jax._cli", *args],
+    [sys.executable, "-m", "ucp_jax.cli", *args],
     stdout=subprocess.PIPE,
     stderr=subprocess.PIPE,
     text=True,

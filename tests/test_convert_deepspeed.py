@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 
 import ucp_jax
-from ucp_jax import _cli
+from ucp_jax import cli
 from ucp_jax.sources import _convert, _source_plan
 from ucp_jax.sources._source_plan import jsonable, release
+from ucp_jax.sources._torch_reader import _torch_file
 from ucp_jax.sources.deepspeed import _source as _ds_source
-from ucp_jax.sources.torch import _torch_file
 
 FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed"
 NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "info.json").is_file())
@@ -212,13 +212,13 @@ def test_report_and_progress(tmp_path, monkeypatch):
 
 def test_cli_convert(tmp_path, capsys):
   src, dst = str(FIXTURES / "bf16opt_dp2" / "ckpt"), str(tmp_path / "out")
-  assert _cli.main(["convert", src, dst]) == 0
+  assert cli.main(["convert", src, dst]) == 0
   out = capsys.readouterr().out
   assert re.search(r"9 params, 23 arrays, 11\.4 KiB, step 3, in [0-9.]+ s", out), out
   assert dst in out and "deepspeed" in out
-  assert _cli.main(["convert", src, dst]) == 2
+  assert cli.main(["convert", src, dst]) == 2
   assert "overwrite" in capsys.readouterr().err
-  assert _cli.main(["convert", src, dst, "--overwrite"]) == 0
+  assert cli.main(["convert", src, dst, "--overwrite"]) == 0
 
 
 def test_release_keeps_data_readable():

@@ -19,7 +19,7 @@ import pytest
 from test_dcp_source import FSDP2, GRID, torch_state
 
 import ucp_jax
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.sources.dcp import _source
 
 torch = pytest.importorskip("torch")

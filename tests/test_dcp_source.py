@@ -22,10 +22,10 @@ from jax.sharding import PartitionSpec as P
 from make_dcp_fixtures import dtensor_values
 
 import ucp_jax
-from ucp_jax._errors import SourceFormatError, UnsafePickleError
+from ucp_jax.base._errors import SourceFormatError, UnsafePickleError
 from ucp_jax.sources import _registry
+from ucp_jax.sources._torch_reader import _torch_file
 from ucp_jax.sources.dcp import _chunks, _metadata, _source, _tiling
-from ucp_jax.sources.torch import _torch_file
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dcp"
 FSDP2 = FIXTURES / "fsdp2_adamw"
@@ -438,7 +438,7 @@ def test_blocks_cover_an_array_once_in_c_order():
 def test_records_that_differ_in_their_state_hash_apart():
   """DCP's MetadataIndex keys differ only in their state: hashed alike, a dict of 20,000 of
   them took quadratic time to build."""
-  from ucp_jax.sources.torch._pickle_records import InertObject, _digest
+  from ucp_jax.sources._torch_reader._pickle_records import InertObject, _digest
 
   a = InertObject("m.MetadataIndex", state={"fqn": "w", "offset": (0, 4), "index": None})
   b = InertObject("m.MetadataIndex", state={"fqn": "w", "offset": (0, 8), "index": None})

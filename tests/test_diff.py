@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import ucp_jax
-from ucp_jax import _cli, _diff
+from ucp_jax import _diff, cli
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 DS = os.path.join(FIXTURES, "deepspeed", "z2_fp32_dp2", "ckpt")
@@ -93,17 +93,17 @@ def test_a_flax_checkpoint_against_the_torch_folder_it_came_from(tmp_path):
 def test_the_command_line(tmp_path, capsys):
   a = _save(tmp_path / "a", w=np.ones(3))
   b = _save(tmp_path / "b", w=np.array([1.0, 2.0, 1.0]))
-  assert _cli.main(["diff", a, a]) == 0
+  assert cli.main(["diff", a, a]) == 0
   assert capsys.readouterr().out.strip().endswith("identical: 1 arrays")
-  assert _cli.main(["diff", a, b]) == 1
+  assert cli.main(["diff", a, b]) == 1
   out = capsys.readouterr().out
   assert "w" in out and out.strip().endswith("differ: 1 of 1 common arrays differ")
-  assert _cli.main(["diff", a, b, "--atol", "1"]) == 0
+  assert cli.main(["diff", a, b, "--atol", "1"]) == 0
   capsys.readouterr()
-  assert _cli.main(["diff", a, b, "--json"]) == 1
+  assert cli.main(["diff", a, b, "--json"]) == 1
   data = json.loads(capsys.readouterr().out)
   assert data["arrays"][0]["max_abs"] == 1.0 and data["verdict"].startswith("differ")
-  assert _cli.main(["diff", a, str(tmp_path / "nope")]) == 2
+  assert cli.main(["diff", a, str(tmp_path / "nope")]) == 2
   assert "nope" in capsys.readouterr().err
 
 
@@ -154,8 +154,8 @@ def test_a_hugging_face_folder_against_the_training_state_it_became(tmp_path, ca
   )
   report = ucp_jax.diff(tmp_path / "jax", tmp_path / "hf", rules="hf")  # model/... vs HF names
   assert report.same_within_tolerance and len(report.arrays) == len(rs.map_names(list(state)))
-  assert _cli.main(["diff", str(tmp_path / "jax"), str(tmp_path / "hf"), "--rules", "hf"]) == 0
+  assert cli.main(["diff", str(tmp_path / "jax"), str(tmp_path / "hf"), "--rules", "hf"]) == 0
   config_file = str(tmp_path / "hf" / "config.json")
   argv = ["diff", str(tmp_path / "jax"), str(tmp_path / "hf"), "--rules", "hf", "--config"]
-  assert _cli.main([*argv, config_file]) == 0
+  assert cli.main([*argv, config_file]) == 0
   assert "identical" in capsys.readouterr().out

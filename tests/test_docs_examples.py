@@ -21,7 +21,7 @@ import doc_blocks
 import doc_fixtures
 import pytest
 
-from ucp_jax import _cli
+from ucp_jax import cli
 
 ROOT = doc_blocks.ROOT
 
@@ -135,7 +135,7 @@ def test_blocks_run(doc, lines, requires, tmp_path):
 
 def test_command_synopses_name_real_options():
   """`ucp ...` lines of text blocks (synopses, which do not run) name real commands and options."""
-  parser = _cli.build_parser()
+  parser = cli.build_parser()
   commands = next(a.choices for a in parser._actions if getattr(a, "choices", None))
   wrong = []
   for doc in doc_blocks.documents():

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import ucp_jax
-from ucp_jax import _cli
+from ucp_jax import cli
 from ucp_jax.sinks import _deepspeed
 
 TAG = "global_step3"
@@ -348,7 +348,7 @@ def test_overwrite_refuses_a_deepspeed_training_folder(tmp_path, capsys):
     "  latest_universal\n"
     "  universal/"
   )
-  assert _cli.main(["export", "--format", "deepspeed", src, str(run), "--overwrite"]) == 2
+  assert cli.main(["export", "--format", "deepspeed", src, str(run), "--overwrite"]) == 2
   assert "not an earlier ucp_jax export" in capsys.readouterr().err
   assert _snapshot(run) == before
 
@@ -471,7 +471,7 @@ def test_adam_and_adamw_stay_what_they_are(tmp_path, kind):
 def test_cli(tmp_path, capsys):
   src = F.fixture_checkpoint("z3_bf16_dp3", tmp_path / "ckpt")
   assert (
-    _cli.main(["export", "--format", "deepspeed", src, str(tmp_path / "ds"), "--zero-stage", "3"])
+    cli.main(["export", "--format", "deepspeed", src, str(tmp_path / "ds"), "--zero-stage", "3"])
     == 0
   )
   out = capsys.readouterr().out
@@ -480,10 +480,10 @@ def test_cli(tmp_path, capsys):
     "targets: 7 trainable params, 1 frozen, 1 buffers, 1 tied; 11.4 KiB in "
   )
   assert out.count("  note: ") == 2
-  assert _cli.main(["export", "--format", "deepspeed", src, str(tmp_path / "ds")]) == 2
+  assert cli.main(["export", "--format", "deepspeed", src, str(tmp_path / "ds")]) == 2
   assert "an export exists already" in capsys.readouterr().err
   plain = ucp_jax.save(tmp_path / "plain", {"w": np.ones(2)})
-  assert _cli.main(["export", "--format", "deepspeed", plain, str(tmp_path / "ds2")]) == 2
+  assert cli.main(["export", "--format", "deepspeed", plain, str(tmp_path / "ds2")]) == 2
   assert "has no parameter schema" in capsys.readouterr().err
 
 

@@ -253,7 +253,7 @@ def test_a_sharded_optax_step_exports_to_a_folder_from_pretrained_loads(devices,
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from ucp_jax import _cli
+  from ucp_jax import cli
 
   hf_model(CASES[name], tmp_path / "hf").save_pretrained(tmp_path / "hf")
   rs, cfg = rules.from_hf(tmp_path / "hf")
@@ -267,7 +267,7 @@ def test_a_sharded_optax_step_exports_to_a_folder_from_pretrained_loads(devices,
   want = np.asarray(model(TOKENS))
   ucp_jax.save_train_state(tmp_path / "jax", model, opt)
   argv = ["export", str(tmp_path / "jax"), str(tmp_path / "out"), "--format", "hf"]
-  assert _cli.main([*argv, "--rules", "hf", "--config", str(tmp_path / "hf")]) == 0
+  assert cli.main([*argv, "--rules", "hf", "--config", str(tmp_path / "hf")]) == 0
   assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "float32"
   back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
   with torch.no_grad():

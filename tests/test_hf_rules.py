@@ -27,7 +27,7 @@ from hf_tiny import SIZES, off_init
 from jax.sharding import AxisType, NamedSharding
 
 import ucp_jax
-from ucp_jax import _cli, _rule_specs, models, rules
+from ucp_jax import _rule_specs, cli, models, rules
 from ucp_jax.models import llama
 
 torch = pytest.importorskip("torch")
@@ -332,7 +332,7 @@ def test_a_hugging_face_model_trained_in_flax_exports_back_through_the_cli(tmp_p
   ucp_jax.save_train_state(tmp_path / "jax", model, opt)
   argv = ["export", str(tmp_path / "jax"), str(tmp_path / "out"), "--format", "hf"]
   argv += ["--config", str(tmp_path / "hf" / "config.json"), "--rules", "hf"]
-  assert _cli.main(argv) == 0, capsys.readouterr().err
+  assert cli.main(argv) == 0, capsys.readouterr().err
   back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
   with torch.no_grad():
     np.testing.assert_array_equal(
@@ -344,8 +344,8 @@ def test_a_hugging_face_model_trained_in_flax_exports_back_through_the_cli(tmp_p
   config = ["--config", str(tmp_path / "hf" / "config.json")]
   for format in ("deepspeed", "dcp"):
     base = ["export", str(tmp_path / "jax"), str(tmp_path / format), "--format", format, *config]
-    assert _cli.main([*base, "--rules", "hf"]) == 0, capsys.readouterr().err
-    assert _cli.main(base) == 2
+    assert cli.main([*base, "--rules", "hf"]) == 0, capsys.readouterr().err
+    assert cli.main(base) == 2
     assert (
       f"error: --config: the model's Hugging Face config.json, which --rules hf reads and "
       f"--format hf writes; format '{format}' without --rules hf has no use for it"

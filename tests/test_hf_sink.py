@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import ucp_jax
-from ucp_jax import _cli
+from ucp_jax import cli
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "deepspeed", "z2_fp32_dp2", "ckpt")
 
@@ -131,10 +131,10 @@ def test_destinations_that_are_not_earlier_hf_exports_are_refused(converted, tmp
 def test_the_command_line(converted, tmp_path, capsys):
   pytest.importorskip("safetensors")
   argv = ["export", converted, str(tmp_path / "hf"), "--format", "hf", "--max-shard-size", "3KB"]
-  assert _cli.main(argv) == 0
+  assert cli.main(argv) == 0
   out = capsys.readouterr().out
   assert "Hugging Face model folder, 2 safetensors file(s): 8 params, 1 buffers, 1 tied" in out
-  assert _cli.main([*argv, "--zero-stage", "3"]) == 2
+  assert cli.main([*argv, "--zero-stage", "3"]) == 2
   assert "takes no zero_stage" in capsys.readouterr().err
 
 
@@ -176,13 +176,13 @@ def test_from_pretrained_loads_the_export(tmp_path, family):
 def test_any_option_of_a_format_from_the_command_line(converted, tmp_path, capsys):
   pytest.importorskip("safetensors")
   argv = ["export", converted, str(tmp_path / "hf"), "--format", "hf"]
-  assert _cli.main([*argv, "--option", "max_shard_size=1000", "--option", 'dtype="float16"']) == 0
+  assert cli.main([*argv, "--option", "max_shard_size=1000", "--option", 'dtype="float16"']) == 0
   capsys.readouterr()
   assert sum(n.endswith(".safetensors") for n in os.listdir(tmp_path / "hf")) > 1
   assert str(_tensors(tmp_path / "hf")["embed.weight"].dtype) == "float16"
-  assert _cli.main([*argv, "--option", "shards=2"]) == 2
+  assert cli.main([*argv, "--option", "shards=2"]) == 2
   assert "format 'hf' takes no shards" in capsys.readouterr().err
-  assert _cli.main([*argv, "--option", "nonsense"]) == 2
+  assert cli.main([*argv, "--option", "nonsense"]) == 2
   assert "expected KEY=VALUE" in capsys.readouterr().err
   orbax = [
     "export",
@@ -193,5 +193,5 @@ def test_any_option_of_a_format_from_the_command_line(converted, tmp_path, capsy
     "--rules",
     "gpt2:num_heads=2",
   ]
-  assert _cli.main(orbax) == 2
+  assert cli.main(orbax) == 2
   assert "writes the checkpoint's own keys" in capsys.readouterr().err

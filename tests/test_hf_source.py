@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ucp_jax
-from ucp_jax import _cli
+from ucp_jax import cli
 from ucp_jax.rules import Rule, RuleSet, transpose
 from ucp_jax.sources import _registry
 from ucp_jax.sources.hf import _safetensors as st
@@ -250,10 +250,10 @@ def test_ucp_inspect_reads_a_folder_in_place(tmp_path, capsys):
   save_file({"model.norm.weight": np.ones(4, np.float32)}, tmp_path / "model.safetensors")
   (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
   before = sorted(os.listdir(tmp_path))
-  assert _cli.main(["inspect", str(tmp_path)]) == 0
+  assert cli.main(["inspect", str(tmp_path)]) == 0
   out = capsys.readouterr().out
   assert "params/model.norm.weight" in out and "format: hf, read in place" in out
-  assert _cli.main(["inspect", str(tmp_path), "--json"]) == 0
+  assert cli.main(["inspect", str(tmp_path), "--json"]) == 0
   data = json.loads(capsys.readouterr().out)
   assert data["source"]["architectures"] == ["LlamaForCausalLM"]
   assert data["source"]["files"] == ["model.safetensors"] and data["total_bytes"] == 16
@@ -393,7 +393,7 @@ def test_bad_input_is_one_clear_error(case, tmp_path, capsys):
     ucp_jax.convert(path, tmp_path / "dst")
   assert str(e.value) == message
   assert sorted(os.listdir(tmp_path)) == before  # nothing committed, nothing staged
-  assert _cli.main(["inspect", str(path)]) == 2
+  assert cli.main(["inspect", str(path)]) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert err == [f"error: {message}"]
 

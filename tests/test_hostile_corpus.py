@@ -34,7 +34,7 @@ _LIMITED = (
 )
 _READ = (  # what the CLI does with an error, around the safe reader
   "import sys\n"
-  "from ucp_jax import _errors\nfrom ucp_jax.sources.torch import _torch_file\n"
+  "from ucp_jax.base import _errors\nfrom ucp_jax.sources._torch_reader import _torch_file\n"
   "try:\n"
   "  _torch_file.load(sys.argv[1])\n"
   "except (_errors.UcpError, OSError) as e:\n"
@@ -55,7 +55,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 
 def _ucp(*args: str) -> subprocess.CompletedProcess:
-  return _run("-m", "ucp_jax._cli", *args)
+  return _run("-m", "ucp_jax.cli", *args)
 
 
 def _refused(run: subprocess.CompletedProcess, names: Path, pattern: str | None = None) -> None:

@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ucp_jax
-from ucp_jax import _cli, rules
+from ucp_jax import cli, rules
 from ucp_jax.store import _location
 
 save_file = pytest.importorskip("safetensors.numpy").save_file
@@ -711,7 +711,7 @@ def test_a_link_out_is_refused_without_a_byte_of_its_target(saved, tmp_path, cap
       f"{hf / 'model.safetensors'}: a symbolic link to a file outside {hf}; refusing to follow "
       "it (links may point inside the checkpoint, or into a Hugging Face cache's blobs/)"
     )
-  assert _cli.main(["inspect", str(hf)]) == 2
+  assert cli.main(["inspect", str(hf)]) == 2
   assert "TOPSECRET" not in capsys.readouterr().err
   assert not (tmp_path / "out").exists()
   # a file that fails its checks shows none of its bytes either: not its header length
@@ -920,12 +920,12 @@ def test_a_hostile_config_json_is_one_line_on_every_path(saved, tmp_path, capsys
         call()
       assert str(e.value).startswith(f"{config}: ") and says in str(e.value), str(e.value)
       assert "\n" not in str(e.value)
-    code = _cli.main(
+    code = cli.main(
       ["diff", str(saved / SINGLE), str(saved / SINGLE), "--rules", f"hf:config={config}"]
     )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith(f"error: {config}: "), err
-    code = _cli.main(
+    code = cli.main(
       [
         "export",
         str(saved / SINGLE),

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ucp_jax
-from ucp_jax import _cli
+from ucp_jax import cli
 from ucp_jax.store import _reuse
 from ucp_jax.tree import _device_arrays as _shards
 
@@ -90,9 +90,9 @@ def test_every_reader_works_on_an_incremental_checkpoint_alone(tmp_path, devices
   path = tmp_path / "2"
   ckpt = ucp_jax.open(path)
   np.testing.assert_array_equal(ckpt.read("frozen/w2", np.s_[3:5]), np.asarray(frozen["w2"])[3:5])
-  assert _cli.main(["inspect", str(path)]) == 0
+  assert cli.main(["inspect", str(path)]) == 0
   assert "frozen/w1" in capsys.readouterr().out
-  assert _cli.main(["verify", str(path)]) == 0
+  assert cli.main(["verify", str(path)]) == 0
   report = ucp_jax.export(path, tmp_path / "orbax", format="orbax")
   assert report is not None
   import orbax.checkpoint as ocp

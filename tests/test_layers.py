@@ -1,11 +1,12 @@
-"""The package's layers import only downwards, the store imports no jax, and the converters
-stay free of JAX.
+"""The package's layers import only downwards, nothing imports in a circle, the store imports
+no jax, and the converters stay free of JAX.
 
-Each subpackage is a layer (README's Layout): `_errors` and `_multihost` (the processes of a
-run) below everything; store < tree < mapping; parallel patterns, sources and sinks above
-the store; integrations above all of those; the public modules and the CLI on top. A module
-may import its own layer and the layers below it (imports only for type checking are
-exempt); these tests fail on the first import that reaches up or sideways.
+Each subpackage is a layer (README's Layout): `base` (errors, the processes of a run) below
+everything; store < tree < mapping; parallel patterns, sources and sinks above the store;
+integrations above all of those; the package root (the public modules) above every layer
+but the command line, `cli`, on top. A module may import its own layer and the layers below
+it (imports only for type checking are exempt); these tests fail on the first import that
+reaches up or sideways.
 """
 
 import ast
@@ -15,28 +16,31 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ucp_jax"
 
-BASE = {"_errors", "_multihost"}
-"""Modules every layer may import."""
+LAYERS = ["base", "store", "tree", "mapping", "parallel", "sources", "sinks", "integrations"]
 BELOW = {
-  "_errors": set(),
-  "_multihost": {"_errors"},
-  "store": BASE,
-  "tree": {"store", *BASE},
-  "mapping": {"tree", "store", *BASE},
-  "parallel": {"store", *BASE},
-  "sources": {"parallel", "store", *BASE},
-  "sinks": {"sources", "mapping", "tree", "store", *BASE},
-  "integrations": {"sinks", "mapping", "tree", "store", *BASE},
-  "models": {"tree", "store", *BASE},
+  "base": set(),
+  "store": {"base"},
+  "tree": {"store", "base"},
+  "mapping": {"tree", "store", "base"},
+  "parallel": {"store", "base"},
+  "sources": {"parallel", "store", "base"},
+  "sinks": {"sources", "mapping", "tree", "store", "base"},
+  "integrations": {"sinks", "mapping", "tree", "store", "base"},
+  "models": {"tree", "store", "base"},
+  "root": {*LAYERS, "models"},
+  "cli": {"root", *LAYERS, "models"},
 }
-"""Layer -> the layers it may import (the top level may import anything)."""
+"""Layer -> the layers it may import."""
+
+ROOT_MODULES = 8
+"""The most modules the package root holds (`__init__` included): its public faces."""
 
 
 def _layer(module: str) -> str:
   parts = module.split(".")
   if len(parts) < 2:
-    return "top"
-  return parts[1] if parts[1] in BELOW else "top"
+    return "root"
+  return parts[1] if parts[1] in BELOW else "root"
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
@@ -65,13 +69,78 @@ def test_every_import_goes_down_the_layers():
   for path in sorted(PACKAGE.rglob("*.py")):
     module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
     layer = _layer(module.removesuffix(".__init__"))
-    if layer == "top":
-      continue
     for line, imported in _imports(path):
       target = _layer(imported)
       if target != layer and target not in BELOW[layer]:
         bad.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {layer} imports {imported}")
   assert not bad, "imports that go up or sideways:\n" + "\n".join(bad)
+
+
+def test_the_root_holds_only_the_public_faces():
+  modules = sorted(p.name for p in PACKAGE.glob("*.py"))
+  assert len(modules) <= ROOT_MODULES, modules
+  folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
+  assert folders == set(BELOW) - {"root"}, folders
+
+
+def _import_graph() -> dict[str, set[str]]:
+  """Module -> the package modules it imports, anywhere in it (functions and type checking
+  included): a circle is a circle wherever its imports sit. Importing a submodule imports
+  its parent packages; those edges are not counted."""
+  paths = {}
+  for path in PACKAGE.rglob("*.py"):
+    name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    paths[name.removesuffix(".__init__")] = path
+  graph: dict[str, set[str]] = {}
+  for module, path in paths.items():
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    targets = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:
+          parts = package.split(".")
+          base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+        subs = {f"{base}.{a.name}" for a in node.names} & paths.keys()
+        targets |= subs or {base}
+      elif isinstance(node, ast.Import):
+        targets |= {a.name for a in node.names}
+    graph[module] = {
+      t for t in targets & paths.keys() if t != module and not module.startswith(t + ".")
+    }
+  return graph
+
+
+def test_no_module_imports_in_a_circle():
+  graph = _import_graph()
+  index: dict[str, int] = {}
+  low: dict[str, int] = {}
+  stack: list[str] = []
+  circles = []
+
+  def visit(v: str) -> None:  # Tarjan's strongly connected components
+    index[v] = low[v] = len(index)
+    stack.append(v)
+    for w in graph[v]:
+      if w not in index:
+        visit(w)
+        low[v] = min(low[v], low[w])
+      elif w in stack:
+        low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+      component = []
+      while True:
+        w = stack.pop()
+        component.append(w)
+        if w == v:
+          break
+      if len(component) > 1:
+        circles.append(sorted(component))
+
+  for v in sorted(graph):
+    if v not in index:
+      visit(v)
+  assert not circles, "modules that import each other:\n" + "\n".join(map(str, circles))
 
 
 NO_JAX = ("jax", "jaxlib", "flax", "optax", "orbax")
@@ -143,7 +212,7 @@ def test_no_module_reaches_into_another_modules_private_names():
 
 def test_the_converters_and_the_cli_start_without_jax():
   code = (
-    "import sys, ucp_jax, ucp_jax._cli, ucp_jax.sources._convert, ucp_jax.sources._registry\n"
+    "import sys, ucp_jax, ucp_jax.cli, ucp_jax.sources._convert, ucp_jax.sources._registry\n"
     "for name in ucp_jax.sources._registry.SOURCES:\n"
     "  ucp_jax.sources._registry.get(name)\n"
     "print(sorted(m for m in ('jax', 'flax', 'optax', 'orbax', 'torch') if m in sys.modules))"
@@ -155,11 +224,11 @@ def test_the_converters_and_the_cli_start_without_jax():
 _COMMANDS_OF_FILES = r"""
 import json, sys
 sys.argv[0] = "/venv/bin/ucp"  # as the console script starts: each command imports its needs
-from ucp_jax import _cli
+from ucp_jax import cli
 
 heavy = ("jax", "flax", "optax", "orbax")
 for argv in json.loads(sys.argv[1]):
-  status = _cli.main(argv)
+  status = cli.main(argv)
   loaded = [m for m in heavy if m in sys.modules]
   print(json.dumps({"argv": argv, "status": status, "loaded": loaded}), flush=True)
 """
@@ -233,12 +302,12 @@ def test_help_version_and_inspect_import_no_tensorstore(tmp_path):
   code = (
     "import contextlib, io, json, sys\n"
     "sys.argv[0] = '/venv/bin/ucp'\n"  # as the console script starts
-    "from ucp_jax import _cli\n"
+    "from ucp_jax import cli\n"
     "out = io.StringIO()\n"
     "for argv in (['--help'], ['--version'], ['convert', '--help'], ['export', '--help'],\n"
     f"             ['inspect', {str(ckpt)!r}], ['inspect', {str(ckpt)!r}, '--json']):\n"
     "  with contextlib.suppress(SystemExit), contextlib.redirect_stdout(out):\n"
-    "    _cli.main(argv)\n"
+    "    cli.main(argv)\n"
     "print(json.dumps(sorted(m for m in ('tensorstore', 'ml_dtypes', 'jax', 'torch') if m in sys.modules)))\n"
     "print(json.dumps(out.getvalue()))"
   )

@@ -22,9 +22,9 @@ import hostile_corpus as corpus
 import numpy as np
 import pytest
 
-from ucp_jax._errors import SourceFormatError, UnsafePickleError
-from ucp_jax.sources.torch import _pickle_limits, _torch_pickle
-from ucp_jax.sources.torch._torch_file import InertGlobal, InertObject, load
+from ucp_jax.base._errors import SourceFormatError, UnsafePickleError
+from ucp_jax.sources._torch_reader import _pickle_limits, _torch_pickle
+from ucp_jax.sources._torch_reader._torch_file import InertGlobal, InertObject, load
 
 REFUSED, INERT, MALFORMED = "refused", "inert", "malformed"
 
@@ -446,7 +446,7 @@ def test_containers_take_only_what_they_can_hold(fragment, message):
     _torch_pickle.loads(corpus.pickled(fragment), source="p.pkl")
 
 
-# Limits (ucp_jax.sources.torch._pickle_limits), each met by a pickle just past it.
+# Limits (ucp_jax.sources._torch_reader._pickle_limits), each met by a pickle just past it.
 
 
 @pytest.mark.parametrize(

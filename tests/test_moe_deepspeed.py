@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import ucp_jax
-from ucp_jax.sources.deepspeed import _moe
+from ucp_jax.sources.deepspeed import _experts, _moe
 
 FIXTURES = Path(__file__).parent / "fixtures" / "moe"
 ZERO = ["native_z1_ep2_dp4", "native_z2_ep2_dp2", "native_z2_ep1_dp2", "native_z0_ep2_dp2"]
@@ -37,7 +37,7 @@ def _oracle(name: str) -> dict[str, dict[str, np.ndarray]]:
 
 
 def _stacked_name(name: str) -> tuple[str, int | None]:
-  m = _moe.NATIVE_RE.match(name)
+  m = _experts.NATIVE_RE.match(name)
   return (m.group(1)[:-1] + m.group(3), int(m.group(2))) if m else (name, None)
 
 

@@ -21,7 +21,7 @@ import pytest
 from flax import nnx
 
 import ucp_jax
-from ucp_jax import _cli
+from ucp_jax import cli
 from ucp_jax.sinks import _orbax
 
 
@@ -50,7 +50,7 @@ def test_a_train_state_exports_and_orbax_restores_it_onto_another_mesh(
   model, optimizer, state = S.trained()
   ucp_jax.save_train_state(tmp_path / "ckpt", model, optimizer)
   dst = str(tmp_path / "orbax")
-  assert _cli.main(["export", str(tmp_path / "ckpt"), dst, "--format", "orbax"]) == 0
+  assert cli.main(["export", str(tmp_path / "ckpt"), dst, "--format", "orbax"]) == 0
   out = capsys.readouterr().out
   assert "Orbax checkpoint (OCDBT, zarr v2, zstd): 24 arrays as NNX Variable values" in out
   assert "note: leaves are NNX Variable values (KEY/value)" in out
@@ -63,7 +63,7 @@ def test_a_train_state_exports_and_orbax_restores_it_onto_another_mesh(
   with open(os.path.join(dst, "ucp_export.json")) as f:
     assert json.load(f)["format"] == "orbax"
   assert _leftovers(tmp_path) == []
-  assert _cli.main(["inspect", dst]) == 0  # ucp_jax reads its own export in place
+  assert cli.main(["inspect", dst]) == 0  # ucp_jax reads its own export in place
   assert "optimizer/opt_state/0/mu/l1/kernel" in capsys.readouterr().out
 
 

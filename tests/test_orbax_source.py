@@ -21,7 +21,7 @@ import orbax_states as S
 import pytest
 
 import ucp_jax
-from ucp_jax import _cli
+from ucp_jax import cli
 from ucp_jax.store import _keypath
 
 
@@ -186,17 +186,17 @@ def test_checkpoint_manager_steps(tmp_path, state, mesh, capsys):
       manager.save(step, args=ocp.args.StandardSave(state))
     manager.wait_until_finished()
   root = str(tmp_path / "run")
-  assert _cli.main(["inspect", root]) == 2
+  assert cli.main(["inspect", root]) == 2
   err = capsys.readouterr().err.replace("\n", "")
   assert "an Orbax CheckpointManager folder with steps 1, 2 (latest 2); pass one step" in err
   assert f"{root}/2" in err
-  assert _cli.main(["inspect", f"{root}/2"]) == 0
+  assert cli.main(["inspect", f"{root}/2"]) == 0
   out = capsys.readouterr().out
   assert "model/l1/kernel" in out and "format: orbax, read in place" in out
   assert ucp_jax.open(f"{root}/2").step == 2  # the step folder's number
   assert ucp_jax.open(f"{root}/2/default").step == 2
   S.assert_same(ucp_jax.restore(f"{root}/2", S.on_mesh(S.abstract(), mesh)), state)
-  assert _cli.main(["convert", f"{root}/1", str(tmp_path / "ucp")]) == 0
+  assert cli.main(["convert", f"{root}/1", str(tmp_path / "ucp")]) == 0
   assert ucp_jax.open(tmp_path / "ucp").step == 1
 
 
@@ -258,7 +258,7 @@ def test_a_step_without_its_commit_marker_is_refused(tmp_path, state, capsys):
   for path in (step, os.path.join(step, "default")):
     with pytest.raises(ucp_jax.CheckpointNotFoundError):
       ucp_jax.restore(path, S.abstract())
-  assert _cli.main(["inspect", root]) == 2  # the root lists only the committed step
+  assert cli.main(["inspect", root]) == 2  # the root lists only the committed step
   assert "steps 1 (latest 1); not committed, so not read: 2" in capsys.readouterr().err
 
 
@@ -409,13 +409,13 @@ def test_manager_steps_on_an_object_store(tmp_path, state, mesh, capsys):
   with open(metadata, "w") as f:
     json.dump({**data, "commit_timestamp_nsecs": None}, f)
   url = _upload_tree(tmp_path / "run", f"memory://orbax{next(_uploads)}/run")
-  assert _cli.main(["inspect", url]) == 2
+  assert cli.main(["inspect", url]) == 2
   err = capsys.readouterr().err.replace("\n", "")
   assert "steps 1 (latest 1); not committed, so not read: 2" in err and f"{url}/1" in err
   with pytest.raises(ucp_jax.CheckpointNotFoundError, match="committed steps beside it: 1"):
     ucp_jax.open(f"{url}/2/default")
   assert ucp_jax.open(f"{url}/1").step == 1
-  assert _cli.main(["convert", f"{url}/1/default", str(tmp_path / "ucp")]) == 0
+  assert cli.main(["convert", f"{url}/1/default", str(tmp_path / "ucp")]) == 0
   S.assert_same(ucp_jax.restore(tmp_path / "ucp", S.on_mesh(S.abstract(), mesh)), state)
 
 

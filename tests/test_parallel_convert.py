@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import ucp_jax
-from ucp_jax import _cli
+from ucp_jax import cli
 from ucp_jax.sources._convert import share
 from ucp_jax.store._manifest import ArrayInfo
 
@@ -35,9 +35,9 @@ def test_shares_are_disjoint_complete_and_balanced():
 
 def test_bad_process_options_are_refused(tmp_path, capsys):
   src = str(FIXTURES / "z2_bf16_dp3" / "ckpt")
-  assert _cli.main(["convert", src, str(tmp_path / "a"), "--processes", "0"]) == 2
+  assert cli.main(["convert", src, str(tmp_path / "a"), "--processes", "0"]) == 2
   assert "--processes N (N >= 1)" in capsys.readouterr().err
-  assert _cli.main(["convert", src, str(tmp_path / "b"), "--coordinator", "127.0.0.1:1"]) == 2
+  assert cli.main(["convert", src, str(tmp_path / "b"), "--coordinator", "127.0.0.1:1"]) == 2
   assert "--coordinator needs --num-processes and --process-id" in capsys.readouterr().err
   assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
@@ -51,7 +51,7 @@ def test_two_processes_write_what_one_writes(tmp_path, fixture):
     [
       sys.executable,
       "-m",
-      "ucp_jax._cli",
+      "ucp_jax.cli",
       "convert",
       str(src),
       str(tmp_path / "two"),

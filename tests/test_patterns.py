@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ucp_jax._errors import MappingError
+from ucp_jax.base._errors import MappingError
 from ucp_jax.parallel import _pattern_flat as pf
 from ucp_jax.parallel import _pattern_rules as pr
 from ucp_jax.parallel import _patterns as pt

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import ucp_jax
-from ucp_jax.store import _plugins
+from ucp_jax.base import _plugins
 
 ENTRY_POINTS = """\
 [ucp_jax.sources]
@@ -43,7 +43,7 @@ def _install(site, entry_points: str = ENTRY_POINTS, name: str = "npy_format") -
 def _ucp(site, *args: str, check: bool = True) -> subprocess.CompletedProcess:
   env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
   proc = subprocess.run(
-    [sys.executable, "-m", "ucp_jax._cli", *args], capture_output=True, text=True, env=env
+    [sys.executable, "-m", "ucp_jax.cli", *args], capture_output=True, text=True, env=env
   )
   if check:
     assert proc.returncode == 0, f"ucp {' '.join(args)}:\n{proc.stdout}\n{proc.stderr}"

@@ -35,10 +35,10 @@ def test_every_referenced_file_exists():
 
 
 def test_the_cli_commands_it_shows_exist():
-  from ucp_jax import _cli
+  from ucp_jax import cli
 
   shown = set(re.findall(r"^ucp (\w+)", README, flags=re.M))
-  parser = _cli.build_parser()
+  parser = cli.build_parser()
   commands = next(a.choices for a in parser._actions if getattr(a, "choices", None))
   assert shown >= {"inspect", "verify", "convert", "export", "demo"}
   assert not shown - set(commands), f"README shows commands the CLI lacks: {shown - set(commands)}"

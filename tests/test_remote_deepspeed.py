@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ucp_jax
-from ucp_jax import _cli
+from ucp_jax import cli
 from ucp_jax.sources import _registry, _remote
 from ucp_jax.store import _location
 
@@ -72,9 +72,9 @@ def test_tensor_and_pipeline_parallel_ranks_merge_from_an_object_store(name):
 def test_a_file_url_and_the_cli(tmp_path, capsys):
   folder = FIXTURES / "z2_fp32_dp2" / "ckpt"
   url = f"file://{folder}"
-  assert _cli.main(["inspect", url]) == 0
+  assert cli.main(["inspect", url]) == 0
   assert "format: deepspeed" in capsys.readouterr().out
-  assert _cli.main(["convert", url, str(tmp_path / "u")]) == 0
+  assert cli.main(["convert", url, str(tmp_path / "u")]) == 0
   _same(ucp_jax.open(tmp_path / "u"), ucp_jax.open(folder))
 
 
@@ -173,7 +173,7 @@ def test_a_large_checkpoint_fetches_each_tensor_byte_once(tmp_path, monkeypatch,
 
 def _tensors(tree):
   """Every located tensor in a loaded tree."""
-  from ucp_jax.sources.torch._byte_span import ByteSpan
+  from ucp_jax.sources._byte_span import ByteSpan
 
   if isinstance(tree, ByteSpan):
     yield tree
@@ -187,7 +187,7 @@ def _tensors(tree):
 
 @pytest.mark.parametrize("case", [c for c in hostile.CASES if c.make_pt], ids=lambda c: c.name)
 def test_hostile_torch_files_on_an_object_store_are_refused(tmp_path, case):
-  from ucp_jax.sources.torch import _torch_file
+  from ucp_jax.sources._torch_reader import _torch_file
 
   canary = tmp_path / "canary"
   case.make_pt(tmp_path / "bad.pt", canary)
@@ -207,7 +207,7 @@ def test_a_conversion_by_two_processes_from_a_url(tmp_path):
   folder = FIXTURES / "z3_bf16_dp3" / "ckpt"
   args = ["convert", f"file://{folder}", str(tmp_path / "u"), "--processes", "2"]
   run = subprocess.run(
-    [sys.executable, "-m", "ucp_jax._cli", *args], capture_output=True, text=True, timeout=300
+    [sys.executable, "-m", "ucp_jax.cli", *args], capture_output=True, text=True, timeout=300
   )
   assert run.returncode == 0, run.stderr
   assert "by 2 processes" in run.stdout + run.stderr
@@ -218,7 +218,7 @@ def test_a_conversion_by_two_processes_from_a_url(tmp_path):
 
 
 def test_a_forged_end_record_costs_two_small_requests(monkeypatch):
-  from ucp_jax.sources.torch import _torch_file
+  from ucp_jax.sources._torch_reader import _torch_file
 
   data = bytearray(4 << 20)  # an end record claiming the file ends at byte 70000
   data[-22:] = b"PK\x05\x06" + bytes(8) + (70000 - 22).to_bytes(4, "little") + bytes(6)
@@ -286,7 +286,7 @@ def test_a_pointer_to_a_missing_tag_is_named(tmp_path):
 
 def test_a_large_legacy_torch_file_gets_the_legacy_hint(tmp_path):
   torch = pytest.importorskip("torch")
-  from ucp_jax.sources.torch import _torch_file
+  from ucp_jax.sources._torch_reader import _torch_file
 
   torch.save({"w": torch.zeros(100_000)}, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
   url = _upload(tmp_path) + "/old.pt"

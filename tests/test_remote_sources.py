@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ucp_jax
-from ucp_jax import _cli
+from ucp_jax import cli
 from ucp_jax.sources import _remote
 from ucp_jax.sources.hf import _source as hf_source
 from ucp_jax.store import _location
@@ -133,11 +133,11 @@ def test_a_restore_from_an_object_store_reads_only_its_rows(tmp_path, monkeypatc
 def test_the_cli_converts_a_file_url(tmp_path):
   url = f"file://{tmp_path}/bucket/tiny"
   _upload(url, _folder(tmp_path, sharded=True))
-  assert _cli.main(["convert", url, str(tmp_path / "out")]) == 0
+  assert cli.main(["convert", url, str(tmp_path / "out")]) == 0
   np.testing.assert_array_equal(
     ucp_jax.open(tmp_path / "out").read("params/model.norm.weight"), SD["model.norm.weight"]
   )
-  assert _cli.main(["inspect", url]) == 0
+  assert cli.main(["inspect", url]) == 0
 
 
 def test_damaged_or_missing_objects_are_named(tmp_path):

@@ -252,7 +252,7 @@ def test_ctrl_c_stops_a_command_waiting_on_a_stalled_store(s3, saved, command):
   env.pop("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", None)
   with s3.proxy.faults(rule):
     proc = subprocess.Popen(
-      [sys.executable, "-m", "ucp_jax._cli", command, json.dumps(spec)],
+      [sys.executable, "-m", "ucp_jax.cli", command, json.dumps(spec)],
       env=env,
       stdout=subprocess.PIPE,
       stderr=subprocess.PIPE,

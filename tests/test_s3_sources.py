@@ -108,7 +108,7 @@ def test_every_source_reads_in_place_and_converts_from_s3_to_s3(s3, tmp_path, fm
 def test_ucp_inspect_convert_and_verify_take_a_spec(s3, tmp_path):
   spec = _upload(s3, _hf(tmp_path))
   env = {**os.environ, **s3_faults.ENV}
-  ucp = [sys.executable, "-m", "ucp_jax._cli"]
+  ucp = [sys.executable, "-m", "ucp_jax.cli"]
 
   def run(*args):
     return subprocess.run([*ucp, *args], env=env, capture_output=True, text=True, timeout=300)

@@ -16,9 +16,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ucp_jax._errors import SourceFormatError
-from ucp_jax.sources.torch import _pickle_limits, _torch_file, _torch_zip
-from ucp_jax.sources.torch._torch_file import InertObject, TorchDtype, load
+from ucp_jax.base._errors import SourceFormatError
+from ucp_jax.sources._torch_reader import _pickle_limits, _torch_file, _torch_zip
+from ucp_jax.sources._torch_reader._torch_file import InertObject, TorchDtype, load
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import ucp_jax
-from ucp_jax import _cli
+from ucp_jax import cli
 from ucp_jax.sources import _registry
 
 torch = pytest.importorskip("torch")
@@ -284,7 +284,7 @@ def test_bad_input_is_one_clear_error(case, tmp_path, capsys):
   with pytest.raises(ucp_jax.SourceFormatError):
     ucp_jax.convert(path, tmp_path / "dst")
   assert sorted(os.listdir(tmp_path)) == before
-  assert _cli.main(["inspect", str(path)]) == 2
+  assert cli.main(["inspect", str(path)]) == 2
   assert capsys.readouterr().err.strip().splitlines() == [f"error: {message}"]
 
 
@@ -420,7 +420,7 @@ def test_a_folder_two_sources_recognize_goes_to_the_one_that_reads_it(tmp_path, 
   assert ucp_jax.open(pt / "model.pt", source="torch").keys() == ["params/w"]
   with pytest.raises(ucp_jax.SourceFormatError):
     ucp_jax.open(pt, source="deepspeed")  # named, and not one: its error, no fallback
-  assert _cli.main(["inspect", str(pt), "--from", "torch"]) == 0
+  assert cli.main(["inspect", str(pt), "--from", "torch"]) == 0
   assert "params/w" in capsys.readouterr().out
 
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import ucp_jax
+from ucp_jax.sources._torch_reader import _torch_file
 from ucp_jax.sources.deepspeed import _tp
-from ucp_jax.sources.torch import _torch_file
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "tp")
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None

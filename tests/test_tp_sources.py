@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 import ucp_jax
-from ucp_jax._errors import MappingError
+from ucp_jax.base._errors import MappingError
 from ucp_jax.parallel import _pattern_flat as pf
 from ucp_jax.parallel import _pattern_rules as pr
 from ucp_jax.parallel import _patterns as pt
+from ucp_jax.sources._torch_reader import _torch_file
 from ucp_jax.sources.deepspeed import _tp
-from ucp_jax.sources.torch import _torch_file
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "tp")
 REAL = ["autotp_tp2_dp1", "autotp_tp2_dp2", "pp2", "pp2_tp2"]

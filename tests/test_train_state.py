@@ -209,7 +209,7 @@ def test_converted_checkpoint_problems_are_listed_at_once(tmp_path):
 
 def test_flax_train_state_exports_to_deepspeed_names_and_layouts(tmp_path):
   pytest.importorskip("torch")
-  from ucp_jax.sources.torch import _torch_file
+  from ucp_jax.sources._torch_reader import _torch_file
 
   cfg = gpt.GPTConfig(vocab_size=32, max_len=8, num_layers=2, num_heads=4, d_model=16)
   rules = ucp_jax.rules.gpt2(num_heads=4)
@@ -234,10 +234,10 @@ def test_flax_train_state_exports_to_deepspeed_names_and_layouts(tmp_path):
     )
   alias = _torch_file.load(zero / "lm_head.weight" / "fp32.pt")["param"]  # the tied alias
   np.testing.assert_array_equal(alias, torch_values["wte.weight"])
-  from ucp_jax import _cli
+  from ucp_jax import cli
 
   assert (
-    _cli.main(
+    cli.main(
       [
         "export",
         "--format",
@@ -252,7 +252,7 @@ def test_flax_train_state_exports_to_deepspeed_names_and_layouts(tmp_path):
   )
   assert (tmp_path / "ds2" / report.tag / "zero" / "h.1.mlp.fc.weight" / "fp32.pt").exists()
   assert (
-    _cli.main(
+    cli.main(
       [
         "export",
         "--format",

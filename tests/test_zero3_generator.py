@@ -74,7 +74,7 @@ def test_ucp_convert_reads_values_and_moments(generated, tmp_path, processes):
   out = tmp_path / "ucp"
   proc = subprocess.run(
     [
-      *[sys.executable, "-m", "ucp_jax._cli", "convert", str(folder), str(out)],
+      *[sys.executable, "-m", "ucp_jax.cli", "convert", str(folder), str(out)],
       *["--processes", str(processes)],
     ],
     capture_output=True,

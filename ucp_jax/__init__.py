@@ -5,32 +5,32 @@ TensorStore, plus a manifest), never the layout that wrote them: save from any
 mesh, restore onto any other, and convert PyTorch/DeepSpeed checkpoints in and out.
 """
 
-from ucp_jax import _startup  # first: Ctrl-C while the `ucp` command starts
+from ucp_jax.base import _startup  # first: Ctrl-C while the `ucp` command starts
 
 if not _startup.IS_CLI:  # numpy knows bfloat16 and the float8 types by name from here on
   import ml_dtypes  # noqa: F401  (the `ucp` command imports it for the commands that read arrays)
-from ucp_jax._errors import ArrayNotFoundError as ArrayNotFoundError
-from ucp_jax._errors import CheckpointExistsError as CheckpointExistsError
-from ucp_jax._errors import CheckpointNotFoundError as CheckpointNotFoundError
-from ucp_jax._errors import CommitUncertainError as CommitUncertainError
-from ucp_jax._errors import ConcurrentWriteError as ConcurrentWriteError
-from ucp_jax._errors import CorruptCheckpointError as CorruptCheckpointError
-from ucp_jax._errors import DtypeMismatchError as DtypeMismatchError
-from ucp_jax._errors import InsufficientMemoryError as InsufficientMemoryError
-from ucp_jax._errors import InvalidArgumentError as InvalidArgumentError
-from ucp_jax._errors import InvalidKeyError as InvalidKeyError
-from ucp_jax._errors import ManifestError as ManifestError
-from ucp_jax._errors import MappingError as MappingError
-from ucp_jax._errors import MissingDependencyError as MissingDependencyError
-from ucp_jax._errors import RegionError as RegionError
-from ucp_jax._errors import ShapeMismatchError as ShapeMismatchError
-from ucp_jax._errors import ShardingError as ShardingError
-from ucp_jax._errors import SourceFormatError as SourceFormatError
-from ucp_jax._errors import StorageError as StorageError
-from ucp_jax._errors import TreeMismatchError as TreeMismatchError
-from ucp_jax._errors import UcpError as UcpError
-from ucp_jax._errors import UnsafePickleError as UnsafePickleError
-from ucp_jax._errors import UnsupportedLeafError as UnsupportedLeafError
+from ucp_jax.base._errors import ArrayNotFoundError as ArrayNotFoundError
+from ucp_jax.base._errors import CheckpointExistsError as CheckpointExistsError
+from ucp_jax.base._errors import CheckpointNotFoundError as CheckpointNotFoundError
+from ucp_jax.base._errors import CommitUncertainError as CommitUncertainError
+from ucp_jax.base._errors import ConcurrentWriteError as ConcurrentWriteError
+from ucp_jax.base._errors import CorruptCheckpointError as CorruptCheckpointError
+from ucp_jax.base._errors import DtypeMismatchError as DtypeMismatchError
+from ucp_jax.base._errors import InsufficientMemoryError as InsufficientMemoryError
+from ucp_jax.base._errors import InvalidArgumentError as InvalidArgumentError
+from ucp_jax.base._errors import InvalidKeyError as InvalidKeyError
+from ucp_jax.base._errors import ManifestError as ManifestError
+from ucp_jax.base._errors import MappingError as MappingError
+from ucp_jax.base._errors import MissingDependencyError as MissingDependencyError
+from ucp_jax.base._errors import RegionError as RegionError
+from ucp_jax.base._errors import ShapeMismatchError as ShapeMismatchError
+from ucp_jax.base._errors import ShardingError as ShardingError
+from ucp_jax.base._errors import SourceFormatError as SourceFormatError
+from ucp_jax.base._errors import StorageError as StorageError
+from ucp_jax.base._errors import TreeMismatchError as TreeMismatchError
+from ucp_jax.base._errors import UcpError as UcpError
+from ucp_jax.base._errors import UnsafePickleError as UnsafePickleError
+from ucp_jax.base._errors import UnsupportedLeafError as UnsupportedLeafError
 from ucp_jax.store import _lazy, _other_formats
 from ucp_jax.store._zarr_python import register_when_imported as _register_zarr_dtypes
 

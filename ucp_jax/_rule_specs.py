@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.store import _reader
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 
-from ucp_jax import _moe_load
+from ucp_jax.integrations import _moe_load
 from ucp_jax.sinks import _deepspeed
 
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.mapping._check import check_forward as check_forward
 from ucp_jax.mapping._hf_rulesets import for_family
 from ucp_jax.mapping._hf_rulesets import hf_gpt2 as hf_gpt2

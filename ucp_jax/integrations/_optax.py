@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.store import _keypath
 from ucp_jax.tree import _tree
 

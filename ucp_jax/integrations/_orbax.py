@@ -23,7 +23,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import future as ocp_future
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.store import _location, _manifest, _reader, _zarr
 from ucp_jax.tree import _async, _restore, _save, _unchanged
 

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.integrations import _optax
 from ucp_jax.tree import _tree
 

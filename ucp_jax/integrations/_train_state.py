@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.integrations import _optax, _train_layout
 from ucp_jax.store import _keypath, _reader
 from ucp_jax.tree import _restore, _save, _tree

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.mapping._load import as_numpy, mapped_state
 from ucp_jax.mapping._mapping import RuleSet
 
@@ -57,7 +57,7 @@ def check_forward(
     True
     >>> rules.check_forward(torch_model, flax_model, wrong, x)  # doctest: +SKIP
     Traceback (most recent call last):
-    ucp_jax._errors.MappingError: outputs differ beyond atol=1e-05 + rtol=1e-05 * |torch| ...
+    ucp_jax.base._errors.MappingError: outputs differ beyond atol=1e-05 + rtol=1e-05 * |torch| ...
 
   Args:
     torch_model: a `torch.nn.Module` taking token ids `[batch, time]` and returning logits

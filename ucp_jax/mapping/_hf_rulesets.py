@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.mapping._mapping import RuleSet
 from ucp_jax.mapping._rule import Rule
 from ucp_jax.mapping._rulesets import layer_rules

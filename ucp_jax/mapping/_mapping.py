@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.mapping import _plan
 from ucp_jax.mapping._mapped import MappedCheckpoint, info_of
 from ucp_jax.mapping._rule import Rule

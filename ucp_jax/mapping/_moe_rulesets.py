@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.mapping._hf_rulesets import hf_llama
 from ucp_jax.mapping._mapping import RuleSet
 from ucp_jax.mapping._rule import Rule

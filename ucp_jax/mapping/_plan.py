@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.mapping._rule import Rule
 from ucp_jax.mapping._transforms import stack_shape
 from ucp_jax.store._manifest import ArrayInfo

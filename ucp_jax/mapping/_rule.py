@@ -15,7 +15,7 @@ import re
 import string
 from collections.abc import Sequence
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.mapping._transforms import Stack, SubParam, Transform
 
 _META = set(".^$*+?{}[]|")

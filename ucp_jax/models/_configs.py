@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 
 ACTIVATION_NAMES = (
   "silu",

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ucp_jax import _errors
-from ucp_jax._errors import shown
+from ucp_jax.base import _errors
+from ucp_jax.base._errors import shown
 from ucp_jax.models import _configs, _hf_rope
 from ucp_jax.models._hf_reader import MAX_SIZE as MAX_SIZE
 from ucp_jax.models._hf_reader import Reader, is_int

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ucp_jax._errors import shown
+from ucp_jax.base._errors import shown
 from ucp_jax.models import _configs, _hf, _hf_rope
 from ucp_jax.models._hf_reader import MAX_SIZE, Reader, is_int
 

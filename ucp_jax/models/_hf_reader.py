@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 
 MAX_SIZE = 1 << 31
 """The largest size (vocabulary, width, layers, heads, positions) a config may give."""

@@ -17,7 +17,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ucp_jax._errors import shown
+from ucp_jax.base._errors import shown
 from ucp_jax.models import _configs
 from ucp_jax.models._hf_reader import Reader, is_int, is_number
 

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.models import llama
 from ucp_jax.models._common import ACTIVATIONS, lm_head, make_layers, rms_norm
 from ucp_jax.models._configs import MoeConfig as MoeConfig

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ucp_jax._errors import MappingError, bullet_list
+from ucp_jax.base._errors import MappingError, bullet_list
 from ucp_jax.parallel._patterns import CAT_KINDS, Pattern, check_equal, layout, merge, segments_of
 
 

@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ucp_jax._errors import MappingError, bullet_list
+from ucp_jax.base._errors import MappingError, bullet_list
 from ucp_jax.parallel._patterns import Pattern, average, expert, replicated, row, sub_params
 
 

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from ucp_jax._errors import MappingError, bullet_list
+from ucp_jax.base._errors import MappingError, bullet_list
 
 KINDS = ("column", "row", "replicated", "average", "sub_params", "expert")
 CAT_KINDS = ("column", "row", "sub_params", "expert")

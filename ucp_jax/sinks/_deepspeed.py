@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.sinks import _folder, _moe_sink, _schema
 from ucp_jax.sinks._report import ExportReport
 from ucp_jax.store import _reader

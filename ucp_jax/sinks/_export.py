@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.sinks import _flax_names, _registry, _schema
 from ucp_jax.sinks._report import ExportReport
 from ucp_jax.store import _reader

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.mapping._load import ArraysCheckpoint
 from ucp_jax.store import _reader
 

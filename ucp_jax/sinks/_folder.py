@@ -18,7 +18,7 @@ import os
 import secrets
 from collections.abc import Callable, Iterator
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.store import _commit, _location, _swap
 
 MARKER = "ucp_export.json"

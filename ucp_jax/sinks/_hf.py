@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.sinks import _folder, _schema
 from ucp_jax.sinks._report import ExportReport
 from ucp_jax.sources import hf as hf_source

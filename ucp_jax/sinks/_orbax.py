@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.sinks import _folder
 from ucp_jax.sinks._report import ExportReport
 from ucp_jax.store import _keypath, _reader, _zarr

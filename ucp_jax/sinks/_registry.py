@@ -13,8 +13,7 @@ import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from ucp_jax import _errors
-from ucp_jax.store import _plugins
+from ucp_jax.base import _errors, _plugins
 
 if TYPE_CHECKING:
   from ucp_jax.sinks._report import ExportReport

@@ -17,8 +17,8 @@ import os
 import time
 from collections.abc import Callable
 
-from ucp_jax import _errors, _multihost
-from ucp_jax._errors import SourceFormatError
+from ucp_jax.base import _errors, _multihost
+from ucp_jax.base._errors import SourceFormatError
 from ucp_jax.sources import _registry, _source_plan
 from ucp_jax.sources._source_plan import Tensor, release
 from ucp_jax.store import _bundle, _location
@@ -117,7 +117,7 @@ def convert(
 
   Raises:
     SourceFormatError: `src` is not a checkpoint of a known layout, or its files are missing,
-      damaged, forged (`sources.deepspeed._contract`, `sources.torch._torch_file`), or from different runs; the
+      damaged, forged (`sources.deepspeed._contract`, `sources._torch_reader._torch_file`), or from different runs; the
       message lists every problem with file and key. Also when the arrays would take more than
       `MAX_GROWTH` times the bytes of the source files (tensors aliasing each other).
     CheckpointExistsError: `dst` exists and `overwrite` is False.

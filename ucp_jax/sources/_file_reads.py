@@ -18,7 +18,7 @@ import sys
 
 import numpy as np
 
-from ucp_jax._errors import SourceFormatError
+from ucp_jax.base._errors import SourceFormatError
 from ucp_jax.store import _byte_runs, _hostmem
 
 Region = tuple[slice, ...]

@@ -16,7 +16,7 @@ import os
 import posixpath
 from collections.abc import Iterator
 
-from ucp_jax._errors import SourceFormatError
+from ucp_jax.base._errors import SourceFormatError
 from ucp_jax.sources import _remote
 from ucp_jax.store import _location
 from ucp_jax.store._untrusted import open_regular

@@ -14,8 +14,7 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING, Protocol
 
-from ucp_jax import _errors
-from ucp_jax.store import _plugins
+from ucp_jax.base import _errors, _plugins
 
 if TYPE_CHECKING:
   from ucp_jax.sources._source_plan import Plan

@@ -14,7 +14,7 @@ import threading
 
 import tensorstore as ts
 
-from ucp_jax._errors import SourceFormatError
+from ucp_jax.base._errors import SourceFormatError
 from ucp_jax.store import _location, _threads
 
 

@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from ucp_jax._errors import SourceFormatError
-from ucp_jax.sources.torch._byte_span import ByteSpan
-from ucp_jax.sources.torch._torch_file import InertObject, TorchDtype
+from ucp_jax.base._errors import SourceFormatError
+from ucp_jax.sources._byte_span import ByteSpan
+from ucp_jax.sources._torch_reader._torch_file import InertObject, TorchDtype
 from ucp_jax.store import _bundle, _keypath, _zarr
 from ucp_jax.store._manifest import ArrayInfo, Manifest
 

@@ -15,7 +15,7 @@ import os
 import numpy as np
 import tensorstore as ts
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.sources import _file_reads, _files, _registry, _source_plan
 from ucp_jax.store import _byte_runs, _location
 from ucp_jax.store._checkpoint import Checkpoint

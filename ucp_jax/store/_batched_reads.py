@@ -18,7 +18,7 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.store import _bundle, _chunks, _direct, _hostmem, _regions, _zarr
 from ucp_jax.store._location import Location
 from ucp_jax.store._regions import Region

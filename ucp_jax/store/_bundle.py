@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import crc32c
 import numpy as np
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.store import _chunks, _zarr
 
 BUNDLE_BYTES = 256 << 20

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.store import _lazy, _location, _manifest, _untrusted, _zarr
 
 ts = _lazy.tensorstore

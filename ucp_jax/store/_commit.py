@@ -28,7 +28,7 @@ import re
 import socket
 import time
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.store import _location, _manifest, _swap
 from ucp_jax.store._swap import interrupted_swap as interrupted_swap  # read by `_reader`
 

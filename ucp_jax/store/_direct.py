@@ -30,7 +30,7 @@ import threading
 import crc32c
 import numpy as np
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.store import _bundle, _byte_runs, _chunks, _regions, _untrusted
 from ucp_jax.store._manifest import ArrayInfo
 

@@ -18,7 +18,7 @@ import urllib.parse
 from collections.abc import Iterable
 from typing import Any
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 
 _SAFE = "-_.~+=,@[]()"
 _PART = re.compile(r"^(?:[A-Za-z0-9\-_.~+=,@\[\]()]|%[0-9A-Fa-f]{2})+$")

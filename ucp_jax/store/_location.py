@@ -16,7 +16,7 @@ import os
 import re
 import weakref
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.store import _lazy, _untrusted
 
 ts = _lazy.tensorstore

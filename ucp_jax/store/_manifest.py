@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.store import _bundle, _chunks, _keypath, _location, _untrusted
 
 FORMAT = "ucp_jax"

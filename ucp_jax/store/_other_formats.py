@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Protocol
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 
 if TYPE_CHECKING:
   from ucp_jax.store._checkpoint import Checkpoint

@@ -36,7 +36,7 @@ import json
 import re
 from typing import Any
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.store import _commit, _location, _manifest, _untrusted
 
 MAX_LEVELS = 8  # a manifest's pool is in one of the checkpoint's first 8 ancestors

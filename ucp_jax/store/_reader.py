@@ -16,7 +16,7 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.store import (
   _batched_reads,
   _bundle,

@@ -29,7 +29,7 @@ import stat
 import threading
 from typing import Any
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.store import (
   _chunk_writes,
   _chunks,

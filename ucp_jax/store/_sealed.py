@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.store import _chunks, _location, _manifest, _pool
 
 

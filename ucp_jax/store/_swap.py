@@ -17,7 +17,7 @@ import functools
 import os
 import shutil
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.store import _location, _manifest
 
 # The fallback swap of a staging folder S into the target T (O is `S.old`) goes through

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ucp_jax import _errors, _multihost
+from ucp_jax.base import _errors, _multihost
 from ucp_jax.store import _location
 
 NOTHING_LOST = "Nothing was committed; the checkpoint there before, if any, is intact."

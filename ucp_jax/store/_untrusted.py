@@ -29,7 +29,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 
 MAX_JSON_DEPTH = 128
 """How deeply a metadata document may nest: pytrees nest a few levels per module, and

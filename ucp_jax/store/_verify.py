@@ -5,20 +5,36 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.store import _chunks, _location, _zarr
 
 if TYPE_CHECKING:
-  from ucp_jax.store._reader import Checkpoint
+  import tensorstore as ts
+
+  from ucp_jax.store._location import Location
+  from ucp_jax.store._manifest import ArrayInfo
+
+
+class Verifiable(Protocol):
+  """What `verify` reads of a committed checkpoint (`_reader.StoredCheckpoint`)."""
+
+  location: Location
+
+  def keys(self) -> list[str]: ...
+  def __getitem__(self, key: str) -> ArrayInfo: ...
+  def array_location(self, key: str) -> Location: ...
+  def zarr_future(self, key: str) -> ts.Future: ...
+  def tensorstore(self, key: str) -> ts.TensorStore: ...
+
 
 _BLOCK_BYTES = 64 << 20
 
 
-def verify(ckpt: Checkpoint, on_array: Callable[[str, int], None] | None = None) -> dict[str, str]:
+def verify(ckpt: Verifiable, on_array: Callable[[str, int], None] | None = None) -> dict[str, str]:
   """Problems found, by key (empty when the checkpoint is sound).
 
   Checks, for every array: the zarr metadata agrees with the manifest, the chunk (or
@@ -47,7 +63,7 @@ def verify(ckpt: Checkpoint, on_array: Callable[[str, int], None] | None = None)
   return problems
 
 
-def _check_array(ckpt: Checkpoint, kvstore, key: str) -> str | None:
+def _check_array(ckpt: Verifiable, kvstore, key: str) -> str | None:
   info = ckpt[key]
   data = ckpt.array_location(key)
   stored = _zarr.wait_open(ckpt.location, key, ckpt.zarr_future(key))
@@ -122,7 +138,7 @@ def _chunk_names(info) -> Iterator[str]:
   return ("/".join(["c", *map(str, index)]) for index in itertools.product(*grid))
 
 
-def _missing(ckpt: Checkpoint, key: str, found: set[str], limit: int = 3) -> str:
+def _missing(ckpt: Verifiable, key: str, found: set[str], limit: int = 3) -> str:
   """The first few missing chunk files, by path (`found`: the chunk keys present)."""
   names = _chunk_names(ckpt[key])
   missing = list(itertools.islice((n for n in names if n not in found), limit + 1))

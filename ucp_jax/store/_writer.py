@@ -14,7 +14,7 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from ucp_jax import _errors, _multihost
+from ucp_jax.base import _errors, _multihost
 from ucp_jax.store import (
   _bundle_commits,
   _chunk_writes,

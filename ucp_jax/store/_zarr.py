@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.store import _lazy, _untrusted
 from ucp_jax.store._location import Location, context, error_text, read_small
 

@@ -20,7 +20,7 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from ucp_jax import _multihost
+from ucp_jax.base import _multihost
 from ucp_jax.store import (
   _location,
   _manifest,

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ucp_jax import _multihost
+from ucp_jax.base import _multihost
 from ucp_jax.store import _regions, _shards, _write_plan
 from ucp_jax.store._regions import Region
 from ucp_jax.tree import _devices

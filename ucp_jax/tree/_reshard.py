@@ -7,7 +7,7 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.store import _caches, _hostmem, _regions, _threads
 from ucp_jax.tree import _devices, _tree
 

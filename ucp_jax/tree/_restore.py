@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.store import _checkpoint, _hostmem, _keypath, _reader, _regions, _untrusted, _zarr
 from ucp_jax.store._manifest import ArrayInfo
 from ucp_jax.tree import _devices, _save, _tree, _unchanged

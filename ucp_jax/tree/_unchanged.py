@@ -28,7 +28,7 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from ucp_jax import _errors, _multihost
+from ucp_jax.base import _errors, _multihost
 from ucp_jax.store import (
   _chunks,
   _location,

@@ -29,12 +29,12 @@ from typing import Any
 
 import numpy as np
 
-from ucp_jax._errors import SourceFormatError
-from ucp_jax.sources import _file_reads, _files, _remote
+from ucp_jax.base._errors import SourceFormatError
+from ucp_jax.sources import _byte_span, _file_reads, _files, _remote
 from ucp_jax.sources._source_plan import Tensor, lazy_store
+from ucp_jax.sources._torch_reader import _torch_file
 from ucp_jax.sources.dcp import _tiling
 from ucp_jax.sources.dcp._metadata import Chunk, Stored, TensorEntry
-from ucp_jax.sources.torch import _byte_span, _torch_file
 from ucp_jax.store import _regions, _untrusted, _zarr
 
 CELL_BYTES = 1 << 20

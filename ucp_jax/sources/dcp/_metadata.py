@@ -31,13 +31,13 @@ from typing import Any
 
 import numpy as np
 
-from ucp_jax import _errors
-from ucp_jax._errors import SourceFormatError
+from ucp_jax.base import _errors
+from ucp_jax.base._errors import SourceFormatError
 from ucp_jax.sources import _files
+from ucp_jax.sources._torch_reader import _pickle_limits, _torch_pickle
+from ucp_jax.sources._torch_reader._pickle_records import Allowed, InertGlobal, InertObject
+from ucp_jax.sources._torch_reader._torch_file import TorchDtype
 from ucp_jax.sources.dcp import _rank_files, _tiling
-from ucp_jax.sources.torch import _pickle_limits, _torch_pickle
-from ucp_jax.sources.torch._pickle_records import Allowed, InertGlobal, InertObject
-from ucp_jax.sources.torch._torch_file import TorchDtype
 from ucp_jax.store import _untrusted
 
 METADATA = ".metadata"

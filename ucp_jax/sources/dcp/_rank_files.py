@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import struct
 
-from ucp_jax._errors import SourceFormatError
+from ucp_jax.base._errors import SourceFormatError
 from ucp_jax.sources import _files, _remote
 from ucp_jax.store import _untrusted
 

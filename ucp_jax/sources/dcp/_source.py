@@ -12,7 +12,7 @@ training scripts save it, `dcp.save({"model": model_sd, "optim": optim_sd}, ...)
   these at the top level): `state.<fqn>.<slot>` and `param_groups.<fqn>.<hyper>`.
 
 A model entry the optimizer holds is a trainable parameter with its slots and group; one it
-does not hold is a buffer (by name: `torch._source.BUFFER_NAMES`), an alias of a trainable
+does not hold is a buffer (by name: `_torch_reader._state_dict.BUFFER_NAMES`), an alias of a trainable
 parameter of the same bytes (a tied weight: `tied_to`), or a frozen parameter. Without an optimizer every
 entry but the buffers is a parameter. Any other top-level entry (a scheduler, a data loader
 state) is kept in the schema's `extra` as JSON. `.metadata` and the rank files are checked by
@@ -27,12 +27,12 @@ from typing import Any
 
 import numpy as np
 
-from ucp_jax._errors import SourceFormatError, UnsafePickleError, bullet_list
+from ucp_jax.base._errors import SourceFormatError, UnsafePickleError, bullet_list
 from ucp_jax.sources import _files
 from ucp_jax.sources._source_plan import Param, Plan, Tensor, jsonable, number
+from ucp_jax.sources._torch_reader._state_dict import is_buffer
 from ucp_jax.sources.dcp import _chunks, _metadata
 from ucp_jax.sources.dcp._metadata import BytesEntry, Layout, TensorEntry
-from ucp_jax.sources.torch._source import is_buffer
 
 NAME = "dcp"
 DESCRIPTION = (

@@ -16,13 +16,13 @@ from typing import Any
 
 import numpy as np
 
-from ucp_jax import _errors
-from ucp_jax._errors import SourceFormatError
+from ucp_jax.base import _errors
+from ucp_jax.base._errors import SourceFormatError
 from ucp_jax.sources import _files
 from ucp_jax.sources._source_plan import Param, jsonable, number
+from ucp_jax.sources._torch_reader import _optimizer, _torch_file
+from ucp_jax.sources._torch_reader._torch_file import is_tensor
 from ucp_jax.sources.deepspeed import _contract as contract
-from ucp_jax.sources.torch import _optimizer, _torch_file
-from ucp_jax.sources.torch._torch_file import is_tensor
 from ucp_jax.store import _untrusted
 
 MODEL_KEYS = (

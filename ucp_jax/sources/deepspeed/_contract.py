@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from ucp_jax.parallel import _pattern_rules
-from ucp_jax.sources.torch._byte_span import ByteSpan
-from ucp_jax.sources.torch._torch_file import InertObject, is_tensor
+from ucp_jax.sources._byte_span import ByteSpan
+from ucp_jax.sources._torch_reader._torch_file import InertObject, is_tensor
 
 try:  # the parser behind `re.compile`: Python >= 3.11, then 3.10
   from re import _parser as _sre_parse

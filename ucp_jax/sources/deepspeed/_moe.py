@@ -23,24 +23,19 @@ experts, frozen experts, runs without ZeRO (`expp_rank_*` optimizer files: `_moe
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import os
 import re
 
 import numpy as np
 
-from ucp_jax._errors import SourceFormatError
+from ucp_jax.base._errors import SourceFormatError
 from ucp_jax.sources import _files
-from ucp_jax.sources._source_plan import Param, Plan, Tensor, read_pieces
+from ucp_jax.sources._source_plan import Param, Plan, read_pieces
 from ucp_jax.sources.deepspeed import _common as common
 from ucp_jax.sources.deepspeed import _contract as contract
-from ucp_jax.sources.deepspeed import _zero
+from ucp_jax.sources.deepspeed import _experts, _zero
 
-EXPP_RE = re.compile(r"^expp_rank_([0-9]+)_mp_rank_([0-9]+)_optim_states\.pt\Z")
-NATIVE_RE = re.compile(r"^(.*\.deepspeed_experts\.)([0-9]+)(\..*)\Z")
 _AUTOEP_RE = re.compile(r"^(.*\.experts\.w[0-9]+)\.([0-9]+)\Z")
-_GROUP_NAME_RE = re.compile(r"^ep_size_([0-9]+)\Z")
 SAMPLE = 64
 """Elements of each expert compared with its per-expert file."""
 
@@ -57,14 +52,7 @@ def is_moe(folder: str) -> bool:
     )
     if m and int(m.groups()[-1]) > 0:
       return False
-  return any(common.EXPERT_FILE_RE.match(n) or EXPP_RE.match(n) for n in names)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Group:
-  index: int
-  ep: int  # expert-parallel degree of a MoE group; 1 for a dense group
-  moe: bool
+  return any(common.EXPERT_FILE_RE.match(n) or _experts.EXPP_RE.match(n) for n in names)
 
 
 def plan(folder: str) -> Plan:
@@ -74,7 +62,7 @@ def plan(folder: str) -> Plan:
   model_path = os.path.join(folder, "mp_rank_00_model_states.pt")
   if not _files.isfile(model_path):
     raise SourceFormatError(f"{folder}: mp_rank_00_model_states.pt is missing")
-  if any(EXPP_RE.match(n) for n in names):
+  if any(_experts.EXPP_RE.match(n) for n in names):
     from ucp_jax.sources.deepspeed import _moe_plain
 
     return _moe_plain.plan(folder, names, model_path)
@@ -102,7 +90,7 @@ def plan(folder: str) -> Plan:
     step = _zero.group_step(g.index, paths, osds, problems)
     steps.append(step)
     if not problems:
-      experts += stack_experts(per_rank, g, folder, problems)
+      experts += _experts.stack_experts(per_rank, g, folder, problems)
   common.fail(f"{folder}: the rank files do not make up the parameters", problems)
   check_expert_files(folder, names, experts)
   optimized = {p.name for p in params}
@@ -146,7 +134,7 @@ def _optim_paths(folder: str, names: list[str], dp: int) -> list[str]:
   return [os.path.join(folder, found[k]) for k in range(dp)]
 
 
-def _groups(osd0: dict, count: int, dp: int, path: str) -> list[_Group]:
+def _groups(osd0: dict, count: int, dp: int, path: str) -> list[_experts.Group]:
   """Each flat group's kind: dense, or experts with their expert-parallel degree."""
   hyper = osd0["base_optimizer_state"]["param_groups"]
   if not isinstance(hyper, list) or len(hyper) != count:
@@ -156,16 +144,16 @@ def _groups(osd0: dict, count: int, dp: int, path: str) -> list[_Group]:
   out = []
   for g, group in enumerate(hyper):
     if group.get("moe") is not True:
-      out.append(_Group(g, 1, False))
+      out.append(_experts.Group(g, 1, False))
       continue
-    m = _GROUP_NAME_RE.match(str(group.get("name")))
+    m = _experts.GROUP_NAME_RE.match(str(group.get("name")))
     ep = int(m.group(1)) if m else 0
     if not 0 < ep <= dp or dp % ep:
       raise SourceFormatError(
         f"{path}: param group {g} is an expert group named {str(group.get('name'))!r:.40}, not "
         f"'ep_size_N' with N dividing dp_world_size {dp}"
       )
-    out.append(_Group(g, ep, True))
+    out.append(_experts.Group(g, ep, True))
   return out
 
 
@@ -210,115 +198,6 @@ def _ep_ranks(model: dict, dp: int):
     return [list(range(e, dp, ep)) for e in range(ep)]
 
   return topology
-
-
-def stack_experts(per_rank: list[list[Param]], group: _Group, where: str, problems: list):
-  """One stacked parameter per expert weight from each expert-parallel rank's local ones.
-
-  Returns `[(Param, {global expert: (file key, local Param, index in it)})]`: the second
-  part says where each expert's own copy is, for `check_expert_files`.
-  """
-  out = []
-  by_name = [{p.name: p for p in params} for params in per_rank]
-  native = {n for n in by_name[0] if NATIVE_RE.match(n)}
-  if native:
-    local: dict[tuple[str, str], dict[int, str]] = collections.defaultdict(dict)
-    for n in native:
-      m = NATIVE_RE.match(n)
-      local[(m.group(1), m.group(3))][int(m.group(2))] = n
-    for (head, tail), members in local.items():
-      nl = len(members)
-      if sorted(members) != list(range(nl)):
-        problems.append(f"{where}: local experts {sorted(members)} of {head}*{tail}")
-        continue
-      parts, owners = [], {}
-      for e, params in enumerate(by_name):
-        for j in range(nl):
-          parts.append(params[members[j]])
-          owners[e * nl + j] = (f"{head}{e * nl + j}{tail}", params[members[j]], None)
-      name = head.removesuffix(".") + tail  # `...deepspeed_experts.fc1.weight`
-      template = f"{head}{{e}}{tail}"
-      out.append((_stacked(name, parts, group, len(parts), "native", template), owners))
-    rest = [n for n in by_name[0] if n not in native]
-  else:
-    rest = list(by_name[0])
-  for n in rest:  # AutoEP: `...experts.w1` of shape [num_local, ...] on each rank
-    parts = [params[n] for params in by_name]
-    nl = parts[0].value.shape[0] if parts[0].value.shape else 0
-    if nl == 0 or any(p.value.shape != parts[0].value.shape for p in parts):
-      problems.append(f"`{n}`: expert shards of shapes {[p.value.shape for p in parts]}")
-      continue
-    owners = {
-      e * nl + j: (f"{n}.{e * nl + j}", p, j) for e, p in enumerate(parts) for j in range(nl)
-    }
-    out.append((_stacked(n, parts, group, nl * len(parts), "autoep", f"{n}.{{e}}"), owners))
-  return out
-
-
-def _stacked(name: str, parts: list[Param], group: _Group, n: int, kind: str, names: str) -> Param:
-  first = parts[0]
-  per = first.value.shape if kind == "native" else first.value.shape[1:]
-  shape = (n, *per)
-
-  def cat(tensors: list[Tensor], slot: str) -> Tensor:
-    def pieces():
-      return [piece for t in tensors for piece in t.pieces()]
-
-    return Tensor(
-      shape, tensors[0].dtype, pieces, f"{name} ({slot}, {n} experts of group {group.index})"
-    )
-
-  slots = {k: cat([p.slots[k] for p in parts], k) for k in first.slots}
-  pattern = {
-    "kind": "expert",
-    "cat_dim": 0,
-    "num_experts": n,
-    "ep": group.ep,
-    "experts": {"layout": kind, "names": names},
-  }
-  value = cat([p.value for p in parts], "value")
-  return Param(name, value, slots, group=group.index, pattern=pattern, shard_shape=(1, *per))
-
-
-def stack_universal(params: list[Param], groups: list, problems: list) -> list[Param]:
-  """Per-expert native parameters of a universal folder (`...deepspeed_experts.{e}...`, as
-  `ds_to_universal` writes them at ep 1 and `ucp export` at any) stacked like `plan`'s."""
-  native: dict[tuple[str, str], dict[int, Param]] = {}
-  out = []
-  for p in params:
-    m = NATIVE_RE.match(p.name)
-    if m and p.value is not None:
-      native.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = p
-    else:
-      out.append(p)
-  for (head, tail), members in native.items():
-    n = len(members)
-    parts = [members.get(e) for e in range(n)]
-    first = parts[0]
-    odd = (
-      [
-        e
-        for e, x in enumerate(parts)
-        if x is None
-        or (x.value.shape, x.value.dtype, x.group, sorted(x.slots))
-        != (first.value.shape, first.value.dtype, first.group, sorted(first.slots))
-      ]
-      if first is not None
-      else [0]
-    )
-    if odd:
-      problems.append(
-        f"{head}{{e}}{tail}: experts {sorted(members)}, expert {odd[0]} missing or "
-        "unlike expert 0 (shape, dtype, group, slots)"
-      )
-      continue
-    g = first.group
-    hyper = groups[g] if isinstance(groups, list) and g is not None and g < len(groups) else {}
-    m = _GROUP_NAME_RE.match(str(hyper.get("name"))) if isinstance(hyper, dict) else None
-    group = _Group(g, int(m.group(1)) if m else 1, True)
-    name = head.removesuffix(".") + tail
-    out.append(_stacked(name, parts, group, n, "native", f"{head}{{e}}{tail}"))
-  return out
 
 
 def module_aliases(model: dict, leftovers: list[str], optimized: set[str]):
@@ -406,7 +285,7 @@ def _elements(pieces, start: int, count: int) -> np.ndarray:
   return np.concatenate(out) if out else np.zeros(0, np.float32)
 
 
-def moe_layout(model: dict, groups: list[_Group], experts: list[Param]) -> dict:
+def moe_layout(model: dict, groups: list[_experts.Group], experts: list[Param]) -> dict:
   """The schema's `source_layout` entries of a MoE run."""
   kinds = sorted({p.pattern["experts"]["layout"] for p in experts})
   return {

@@ -19,12 +19,12 @@ import re
 
 import numpy as np
 
-from ucp_jax._errors import SourceFormatError
+from ucp_jax.base._errors import SourceFormatError
 from ucp_jax.sources._source_plan import Param, Plan
+from ucp_jax.sources._torch_reader._torch_file import is_tensor
 from ucp_jax.sources.deepspeed import _common as common
 from ucp_jax.sources.deepspeed import _contract as contract
-from ucp_jax.sources.deepspeed import _moe
-from ucp_jax.sources.torch._torch_file import is_tensor
+from ucp_jax.sources.deepspeed import _experts
 
 PLAIN_MODEL_STATES = contract.Keys(
   {**contract.MODEL_STATES.required, "param_shapes": contract.Maybe(contract.ANY)},
@@ -39,7 +39,9 @@ def plan(folder: str, names: list[str], model_path: str) -> Plan:
   """Reads a no-ZeRO MoE tag folder; see the module docstring."""
   model = common.load_checked(model_path, PLAIN_MODEL_STATES, "DeepSpeed model-states file")
   module = model["module"] or {}
-  expp = {int(m.group(1)): os.path.join(folder, n) for n in names if (m := _moe.EXPP_RE.match(n))}
+  expp = {
+    int(m.group(1)): os.path.join(folder, n) for n in names if (m := _experts.EXPP_RE.match(n))
+  }
   osds = {e: _osd(path) for e, path in sorted(expp.items())}
   groups = osds[0]["param_groups"]
   moe = [g for g, h in enumerate(groups) if h.get("moe") is True]
@@ -75,7 +77,7 @@ def plan(folder: str, names: list[str], model_path: str) -> Plan:
       per_expert[name] = _param(name, files[name][1], osds[e]["state"][index], g, expp[e], problems)
       steps[g] = _step(osds[e]["state"][index])
   common.fail(f"{folder}: unreadable optimizer state", problems)
-  params += _moe.stack_universal(list(per_expert.values()), groups, problems)
+  params += _experts.stack_universal(list(per_expert.values()), groups, problems)
   common.fail(f"{folder}: the experts do not stack", problems)
   optimized = set(placed.values())
   tied, buffer_tensors, leftovers = common.model_extras(model, model_path, optimized)

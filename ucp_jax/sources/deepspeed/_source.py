@@ -11,8 +11,8 @@ import dataclasses
 import os
 from collections.abc import Sequence
 
-from ucp_jax import _errors
-from ucp_jax._errors import SourceFormatError
+from ucp_jax.base import _errors
+from ucp_jax.base._errors import SourceFormatError
 from ucp_jax.sources import _files
 from ucp_jax.sources._source_plan import Plan
 from ucp_jax.sources.deepspeed import _common, _universal

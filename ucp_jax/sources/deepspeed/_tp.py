@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from ucp_jax._errors import SourceFormatError
+from ucp_jax.base._errors import SourceFormatError
 from ucp_jax.parallel import _pattern_rules, _patterns
 from ucp_jax.parallel._patterns import Pattern
 from ucp_jax.sources import _files

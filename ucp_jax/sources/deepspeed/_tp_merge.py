@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ucp_jax._errors import MappingError
+from ucp_jax.base._errors import MappingError
 from ucp_jax.parallel import _pattern_flat, _patterns
 from ucp_jax.parallel._patterns import Pattern
 from ucp_jax.sources._source_plan import Param, Tensor, read_pieces, release

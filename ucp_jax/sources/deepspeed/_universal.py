@@ -17,13 +17,13 @@ import re
 
 import numpy as np
 
-from ucp_jax._errors import SourceFormatError
+from ucp_jax.base._errors import SourceFormatError
 from ucp_jax.sources import _files
 from ucp_jax.sources._source_plan import Param, Pieces, Plan, Tensor
+from ucp_jax.sources._torch_reader._torch_file import is_tensor
 from ucp_jax.sources.deepspeed import _common as common
 from ucp_jax.sources.deepspeed import _contract as contract
-from ucp_jax.sources.deepspeed import _moe, _zero, _zero3
-from ucp_jax.sources.torch._torch_file import is_tensor
+from ucp_jax.sources.deepspeed import _experts, _moe, _zero, _zero3
 from ucp_jax.store import _untrusted
 
 _ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_([0-9]+)_mp_rank_00_model_states\.pt\Z")
@@ -60,7 +60,7 @@ def plan(folder: str) -> Plan:
   for g, found in steps.items():
     problems += common.same_everywhere(found, f"group {g}'s optimizer step")
   common.fail(f"{folder}: unreadable parameter files", problems)
-  params = _moe.stack_universal(params, groups, problems)
+  params = _experts.stack_universal(params, groups, problems)
   common.fail(f"{folder}: unreadable expert parameter files", problems)
   optimized = {p.name for p in params}
   tied, buffers, leftovers = common.model_extras(model, model_path, optimized)

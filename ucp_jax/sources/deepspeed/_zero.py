@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 
 from ucp_jax.sources._source_plan import Param, Plan, Tensor, fixed
+from ucp_jax.sources._torch_reader._torch_file import InertObject, is_tensor
 from ucp_jax.sources.deepspeed import _common as common
 from ucp_jax.sources.deepspeed import _contract as contract
-from ucp_jax.sources.torch._torch_file import InertObject, is_tensor
 
 OSD_KEYS = (
   "base_optimizer_state",

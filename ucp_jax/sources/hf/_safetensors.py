@@ -30,8 +30,8 @@ from collections.abc import Callable
 import ml_dtypes
 import numpy as np
 
-from ucp_jax import _errors
-from ucp_jax._errors import InsufficientMemoryError, SourceFormatError
+from ucp_jax.base import _errors
+from ucp_jax.base._errors import InsufficientMemoryError, SourceFormatError
 from ucp_jax.sources import _files
 from ucp_jax.store import _untrusted
 from ucp_jax.store._untrusted import loads_json, open_regular

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import os
 
-from ucp_jax import _errors
-from ucp_jax._errors import SourceFormatError
+from ucp_jax.base import _errors
+from ucp_jax.base._errors import SourceFormatError
 from ucp_jax.sources.hf._safetensors import (
   SafetensorsFile,
   TensorInfo,

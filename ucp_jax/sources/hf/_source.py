@@ -10,7 +10,7 @@ What is read, in this order of preference (docs/sources.md):
   it, if any, is read as the folder's.
 
 Every tensor is a parameter value (`params/NAME`, the torch name kept) except buffers,
-recognized by name (`torch._source.BUFFER_NAMES`). A safetensors tensor is a read-only memory
+recognized by name (`_torch_reader._state_dict.BUFFER_NAMES`). A safetensors tensor is a read-only memory
 map of exactly its bytes in its file, so a restore reads only each device's slice. Hugging Face
 leaves out `lm_head.weight` when the config ties it to the input embedding
 (`tie_word_embeddings`, true unless the config says otherwise): the schema then records the
@@ -29,13 +29,13 @@ from typing import Any
 
 import numpy as np
 
-from ucp_jax import _errors
-from ucp_jax._errors import SourceFormatError
+from ucp_jax.base import _errors
+from ucp_jax.base._errors import SourceFormatError
 from ucp_jax.sources import _remote
 from ucp_jax.sources._source_plan import Param, Plan, Tensor, lazy_store
+from ucp_jax.sources._torch_reader import _optimizer, _state_dict, _torch_file
 from ucp_jax.sources.hf import _safetensors as st
 from ucp_jax.sources.hf import _shard_index as shard_index
-from ucp_jax.sources.torch import _source as torch_source
 from ucp_jax.store import _untrusted
 
 NAME = "hf"
@@ -122,7 +122,7 @@ def describe(path: str, *, tied: dict[str, str] | None = None) -> Plan:
     tensors, files, metadata, aliases = _tensors(weights, folder)
   ties = dict(aliases)
   ties.update(_ties(config, tensors) if tied is None else _checked_ties(tied, tensors, weights))
-  buffers = {n: t for n, t in tensors.items() if torch_source.is_buffer(n)}
+  buffers = {n: t for n, t in tensors.items() if _state_dict.is_buffer(n)}
   params = [Param(name=n, value=t) for n, t in tensors.items() if n not in buffers]
   params += [Param(name=alias, value=None, tied_to=holder) for alias, holder in ties.items()]
   extra: dict[str, Any] = {"tied": ties} if ties else {}
@@ -227,7 +227,7 @@ def _choose_weights(folder: str, names: list[str]) -> str:
   for choice in (BIN_INDEX, "pytorch_model.bin"):
     if choice in names:
       return choice
-  others = [n for n in names if n.endswith(torch_source.SUFFIXES)]
+  others = [n for n in names if n.endswith(_state_dict.SUFFIXES)]
   hint = f"; found {', '.join(others[:6])}: read it with source='torch' (--from torch)"
   raise SourceFormatError(
     f"{folder}: a Hugging Face folder without weights (looked for model.safetensors"
@@ -269,19 +269,17 @@ def _bin(weights: str, folder: str) -> tuple[dict[str, Tensor], list[str], dict,
   arrays, found = {}, {}
   for file in files:
     _untrusted.check_inside(file, folder)  # then the safe reader opens regular files only
-    data = torch_source.load(file)
+    data = _torch_file.load_named(file)
     if not isinstance(data, dict):
       raise SourceFormatError(f"{file}: holds a {type(data).__name__}, not a state dict")
-    state = torch_source.tensors(data, file)
+    state = _state_dict.tensors(data, file)
     found[file] = list(state)
     arrays.update({name: (file, array) for name, array in state.items()})
   if weight_map is not None:
     shard_index.match_index(weights, weight_map, found)
-  aliases = torch_source.aliases({n: a for n, (_, a) in arrays.items()})
+  aliases = _state_dict.aliases({n: a for n, (_, a) in arrays.items()})
   tensors = {
-    n: torch_source.whole(a, f"{f}: tensor {n!r}")
-    for n, (f, a) in arrays.items()
-    if n not in aliases
+    n: _optimizer.whole(a, f"{f}: tensor {n!r}") for n, (f, a) in arrays.items() if n not in aliases
   }
   return tensors, files, {}, aliases
 

@@ -23,7 +23,7 @@ import stat
 import numpy as np
 import tensorstore as ts
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.store import _untrusted
 from ucp_jax.store._location import error_text
 

@@ -19,7 +19,7 @@ import os
 import re
 from typing import Any
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.sources import _files
 from ucp_jax.store import _untrusted
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.sources import _files
 from ucp_jax.sources._source_plan import Plan, Tensor
 from ucp_jax.sources.orbax import _checks, _folders, _train_state, _tree_metadata

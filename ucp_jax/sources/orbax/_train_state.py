@@ -27,7 +27,7 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.sources._source_plan import Tensor
 
 _TORCH_SLOTS = {"mu": "exp_avg", "nu": "exp_avg_sq", "trace": "momentum_buffer"}

@@ -21,7 +21,7 @@ import dataclasses
 import os
 from typing import Any
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 from ucp_jax.sources import _files
 from ucp_jax.sources.orbax import _folders
 from ucp_jax.store import _keypath

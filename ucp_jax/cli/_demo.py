@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 
 STEPS = 20
 TOLERANCE = 1e-5
@@ -39,7 +39,7 @@ def run(out_dir: str = "demo_out", steps: int = STEPS, log=print) -> dict:
       f"the demo needs {DEVICES} devices, found {len(jax.devices())}: run it in a fresh process "
       "(XLA_FLAGS must be set before JAX starts)"
     )
-  from ucp_jax import _demo_train as train
+  from ucp_jax.cli import _demo_train as train
 
   dp_mesh, _, _ = train.meshes()
   log(
@@ -83,7 +83,7 @@ def _legs(out_dir: str, steps: int, log) -> tuple[list[float], bool, list[str]]:
   import numpy as np
 
   import ucp_jax
-  from ucp_jax import _demo_train as train
+  from ucp_jax.cli import _demo_train as train
 
   dp_mesh, tp_mesh, sub_mesh = train.meshes()
   first, second = os.path.join(out_dir, "ckpt_leg1"), os.path.join(out_dir, "ckpt_leg2")

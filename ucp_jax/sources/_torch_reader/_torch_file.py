@@ -40,11 +40,12 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from ucp_jax._errors import SourceFormatError
-from ucp_jax.sources.torch import _byte_span, _pickle_limits, _torch_pickle, _torch_zip
-from ucp_jax.sources.torch._torch_pickle import Allowed
-from ucp_jax.sources.torch._torch_pickle import InertGlobal as InertGlobal
-from ucp_jax.sources.torch._torch_pickle import InertObject as InertObject
+from ucp_jax.base._errors import SourceFormatError
+from ucp_jax.sources import _byte_span
+from ucp_jax.sources._torch_reader import _pickle_limits, _torch_pickle, _torch_zip
+from ucp_jax.sources._torch_reader._torch_pickle import Allowed
+from ucp_jax.sources._torch_reader._torch_pickle import InertGlobal as InertGlobal
+from ucp_jax.sources._torch_reader._torch_pickle import InertObject as InertObject
 from ucp_jax.store import _untrusted
 
 _NUMPY_NAMED = ["float64", "float32", "float16", "complex128", "complex64", "bool"]

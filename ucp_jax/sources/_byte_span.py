@@ -18,7 +18,7 @@ from typing import BinaryIO, Protocol
 
 import numpy as np
 
-from ucp_jax._errors import SourceFormatError
+from ucp_jax.base._errors import SourceFormatError
 
 READ_BLOCK = 8 << 20
 """Bytes of one request when a tensor is fetched (several in flight at once)."""

@@ -12,8 +12,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ucp_jax import _errors, _rule_specs
-from ucp_jax._progress import Reporter, human
+from ucp_jax import _rule_specs
+from ucp_jax.base import _errors
+from ucp_jax.cli._progress import Reporter, human
 from ucp_jax.store import _reader
 
 COMMANDS = {}
@@ -133,7 +134,7 @@ def cmd_verify(args, out: Console, err: Console) -> int:
 
 @_command
 def cmd_convert(args, out: Console, err: Console) -> int:
-  from ucp_jax import _processes
+  from ucp_jax.cli import _processes
   from ucp_jax.sources import _convert
 
   _outlives_process(args.dst)
@@ -306,7 +307,7 @@ def _outlives_process(dst: str) -> None:
 
 @_command
 def cmd_demo(args, out: Console, err: Console) -> int:
-  from ucp_jax import _demo
+  from ucp_jax.cli import _demo
 
   result = _demo.run(args.out, steps=args.steps, log=lambda line: out.print(line, markup=False))
   ok = result["exact_restore"] and result["max_rel_diff"] <= _demo.TOLERANCE

@@ -26,7 +26,7 @@ if _CLI:
 
 
 def done() -> None:
-  """The command runs (`_cli.main`): Ctrl-C is its own to handle from here on."""
+  """The command runs (`cli._main.main`): Ctrl-C is its own to handle from here on."""
   global _CLI
   if _CLI:
     signal.signal(signal.SIGINT, _previous)

@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 
 TIMEOUT_S = 3600
 """How long a process waits for the others at one agreement point of a save."""

@@ -39,10 +39,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ucp_jax._errors import SourceFormatError, UcpError
-from ucp_jax.sources.torch import _pickle_limits as limits
-from ucp_jax.sources.torch import _pickle_numpy
-from ucp_jax.sources.torch._pickle_records import (
+from ucp_jax.base._errors import SourceFormatError, UcpError
+from ucp_jax.sources._torch_reader import _pickle_limits as limits
+from ucp_jax.sources._torch_reader import _pickle_numpy
+from ucp_jax.sources._torch_reader._pickle_records import (
   NDARRAY,
   Allowed,
   InertGlobal,

@@ -1,6 +1,6 @@
 """The `ucp` command line: its arguments, and `main`, which runs one subcommand.
 
-The subcommands themselves are in `_cli_commands`; progress output is `_progress`'s.
+The subcommands themselves are in `_commands`; progress output is `_progress`'s.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import sys
 from rich.console import Console
 from rich.markup import escape
 
-from ucp_jax import _errors, _native_logs
+from ucp_jax.base import _errors
+from ucp_jax.cli import _native_logs
 
 _PIPED_WIDTH = 1 << 16
 """Columns of output to a pipe or file: wide enough that no line wraps (a script reads it)."""
@@ -156,7 +157,7 @@ def _add_diff(sub) -> None:
 
 def main(argv: list[str] | None = None) -> int:
   """Runs `ucp ARGV...`; returns its exit status (the epilog of `ucp --help` lists them)."""
-  from ucp_jax import _startup
+  from ucp_jax.base import _startup
 
   err = Console(stderr=True, highlight=False, soft_wrap=True)
   try:
@@ -167,10 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.command != "inspect":  # inspect reads a manifest: names, shapes, sizes
       import ml_dtypes  # noqa: F401  (numpy knows bfloat16 and the float8 types by name)
-    from ucp_jax import _cli_commands  # after parsing: `ucp --help` imports no TensorStore
+    from ucp_jax.cli import _commands  # after parsing: `ucp --help` imports no TensorStore
 
     with _native_logs.filtered():
-      return _cli_commands.COMMANDS[args.command](args, out, err)
+      return _commands.COMMANDS[args.command](args, out, err)
   except (_errors.UcpError, OSError) as e:  # bad input: one message; a bug keeps its traceback
     err.print("[red]error:[/red]", escape(_message(e)), highlight=False)
     return 2

@@ -56,7 +56,7 @@ def free_port() -> int:
 
 
 class Helpers:
-  """Processes 1..n-1 of a local run, each `python -m ucp_jax._cli ARGV... --process-id I`.
+  """Processes 1..n-1 of a local run, each `python -m ucp_jax.cli ARGV... --process-id I`.
 
   Their output goes to files; `failures()` tells what the ones that failed printed.
   """
@@ -70,7 +70,7 @@ class Helpers:
       self._logs.append(log)
       self._procs.append(
         subprocess.Popen(
-          [sys.executable, "-m", "ucp_jax._cli", *argv, "--process-id", str(i)],
+          [sys.executable, "-m", "ucp_jax.cli", *argv, "--process-id", str(i)],
           stdout=log,
           stderr=subprocess.STDOUT,
           env=env,

@@ -28,8 +28,8 @@ import pickle
 from collections.abc import Callable
 from typing import Any
 
-from ucp_jax._errors import SourceFormatError
-from ucp_jax.sources.torch._pickle_records import InertObject
+from ucp_jax.base._errors import SourceFormatError
+from ucp_jax.sources._torch_reader._pickle_records import InertObject
 
 MAX_PICKLE_BYTES = 256 << 20
 MAX_STEPS = 1 << 23

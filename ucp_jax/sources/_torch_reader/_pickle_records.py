@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from ucp_jax._errors import SourceFormatError, UnsafePickleError
+from ucp_jax.base._errors import SourceFormatError, UnsafePickleError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ucp_jax._errors import SourceFormatError
+from ucp_jax.base._errors import SourceFormatError
 
 PLAIN_TYPES = frozenset(
   {np.bool_, np.float16, np.float32, np.float64, np.complex64, np.complex128}

@@ -15,7 +15,7 @@ import types
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from ucp_jax import _errors
+from ucp_jax.base import _errors
 
 
 def protocol_members(protocol: type) -> tuple[str, ...]:
@@ -59,7 +59,7 @@ class Registry(Mapping[str, Any]):
       >>> plugins.register_sink(_hf)  # the same plugin under its own name: nothing changes
       >>> plugins.register_source(_hf)
       Traceback (most recent call last):
-      ucp_jax._errors.InvalidArgumentError: source ucp_jax.sinks._hf: lacks sniff, ...
+      ucp_jax.base._errors.InvalidArgumentError: source ucp_jax.sinks._hf: lacks sniff, ...
     """
     self._check(plugin, f"{self.kind} {_origin(plugin)}")
     name = plugin.NAME

@@ -23,8 +23,8 @@ from typing import BinaryIO
 
 import numpy as np
 
-from ucp_jax._errors import SourceFormatError
-from ucp_jax.sources.torch._byte_span import Blob, ByteSpan, EntryStart, FileBlob
+from ucp_jax.base._errors import SourceFormatError
+from ucp_jax.sources._byte_span import Blob, ByteSpan, EntryStart, FileBlob
 
 MAX_INFLATED_BYTES = 1 << 30
 """Bytes a compressed storage may inflate to (torch never compresses; its entries are mapped)."""

@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from ucp_jax._errors import SourceFormatError, bullet_list
+from ucp_jax.base._errors import SourceFormatError, bullet_list
 from ucp_jax.sources._source_plan import Tensor, jsonable, number
-from ucp_jax.sources.torch._torch_file import is_tensor
+from ucp_jax.sources._torch_reader._torch_file import is_tensor
 from ucp_jax.store import _untrusted
 
 MAX_STATES = 1 << 20
