@@ -215,17 +215,8 @@ class GCS:
 def running(seed: int = 0) -> Iterator[GCS]:
   """A `GCS` server and proxy, with TensorStore pointed at it while it runs."""
   server = GCS(seed)
-  saved = {k: os.environ.get(k) for k in server.env}
-  os.environ.update(server.env)
-  try:
+  with s3_faults.serving(server, server.env):
     yield server
-  finally:
-    server.close()
-    for k, v in saved.items():
-      if v is None:
-        os.environ.pop(k, None)
-      else:
-        os.environ[k] = v
 
 
 if __name__ == "__main__":  # a server of its own process, for benchmarks: gcs_server.py PORT

@@ -347,11 +347,11 @@ class S3:
 
 
 @contextlib.contextmanager
-def running(seed: int = 0) -> Iterator[S3]:
-  """An `S3` server and proxy, with `ENV`'s credentials set for TensorStore while it runs."""
-  saved = {k: os.environ.get(k) for k in ENV}
-  os.environ.update(ENV)
-  server = S3(seed)
+def serving(server, env: dict[str, str]) -> Iterator:
+  """`server` (S3, GCS) until the block ends, with `env` set for TensorStore meanwhile; then
+  the server is closed and the environment put back."""
+  saved = {k: os.environ.get(k) for k in env}
+  os.environ.update(env)
   try:
     yield server
   finally:
@@ -361,3 +361,10 @@ def running(seed: int = 0) -> Iterator[S3]:
         os.environ.pop(k, None)
       else:
         os.environ[k] = v
+
+
+@contextlib.contextmanager
+def running(seed: int = 0) -> Iterator[S3]:
+  """An `S3` server and proxy, with `ENV`'s credentials set for TensorStore while it runs."""
+  with serving(S3(seed), ENV) as server:
+    yield server

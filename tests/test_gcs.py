@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 import s3_faults
-from test_s3_faults import FAULTS, _check_value, _tree
+from test_s3_faults import overwrite_under_a_fault
 from test_s3_sources import _hf, _same_arrays
 
 import ucp_jax
@@ -73,25 +73,7 @@ KINDS = ["lock:POST", "manifest:POST", "metadata:POST", "chunk:POST", "list:GET"
 @pytest.mark.parametrize("fault", ["slowdown", "lost", "resets"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_an_overwrite_on_gcs_under_a_fault_loses_nothing(gcs, kind, fault):
-  spec = _spec(gcs, gcs.bucket())
-  ucp_jax.save(spec, _tree(1.0), step=1)
-  kind, method = kind.split(":")
-  rule = s3_faults.Rule(kind=kind, method=method, **FAULTS[fault])
-  with gcs.proxy.faults(rule):
-    try:
-      ucp_jax.save(spec, _tree(2.0), step=2, overwrite=True)
-      outcome = None
-    except ucp_jax.UcpError as e:
-      outcome = str(e)
-  assert rule.hits, "the fault never struck"
-  value = _check_value(spec)
-  if outcome is None:
-    assert value == 2.0
-  else:
-    assert value == 1.0, outcome
-    assert "\n" not in outcome and "gs://" in outcome, outcome
-  ucp_jax.save(spec, _tree(3.0), step=3, overwrite=True)
-  assert _check_value(spec) == 3.0
+  overwrite_under_a_fault(gcs, _spec(gcs, gcs.bucket()), kind, fault, "gs")
 
 
 @pytest.mark.parametrize(
