@@ -6,15 +6,10 @@ under a fault at any kind of request loses nothing; a stalled request is one err
 incremental pool; a source format read in place and converted gs:// to gs://.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import s3_faults
-from test_s3_faults import overwrite_under_a_fault
+from test_s3_faults import overwrite_under_a_fault, stalled_is_one_error
 from test_s3_sources import _hf, _same_arrays
 
 import ucp_jax
@@ -84,22 +79,7 @@ def test_a_stalled_gcs_request_is_one_error_not_a_hang(gcs, op, kind, method):
   one StorageError line (the subprocess timeout only tells a hang from an answer)."""
   spec = _spec(gcs, gcs.bucket())
   ucp_jax.save(spec, {"w": np.ones((64, 32), np.float32), "b": np.ones(3)})
-  worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "s3_worker.py")
-  env = {**os.environ, "UCP_STORE_TIMEOUT_S": "3"}
-  env.pop("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", None)
-  rule = s3_faults.Rule("stall", kind=kind, method=method)
-  with gcs.proxy.faults(rule):
-    proc = subprocess.run(
-      [sys.executable, worker, op, json.dumps(spec)],
-      env=env,
-      capture_output=True,
-      text=True,
-      timeout=120,
-    )
-  assert rule.hits, "the fault never struck"
-  lines = [line for line in proc.stdout.splitlines() if line != "started"]
-  assert proc.returncode == 2, proc.stdout + proc.stderr
-  assert len(lines) == 1 and lines[0].startswith("StorageError: gs://"), lines
+  stalled_is_one_error(gcs, spec, op, s3_faults.Rule("stall", kind=kind, method=method), "gs")
 
 
 def test_incremental_steps_into_the_pool_on_gcs(gcs):

@@ -209,25 +209,15 @@ STALLS = [  # op, kind, method
 ]
 
 
-@pytest.mark.parametrize("action", ["stall", "stall-body"])
-@pytest.mark.parametrize(("op", "kind", "method"), STALLS)
-def test_a_stalled_store_is_one_error_not_a_hang(s3, saved, op, kind, method, action):
-  """With UCP_STORE_TIMEOUT_S=3, a request that never finishes (no answer, or a body that
-  stops half way) ends the operation with one StorageError line. The subprocess timeout
-  only tells a hang from an answer: nothing here measures how long it took."""
+def stalled_is_one_error(server, spec: dict, op: str, rule, scheme: str) -> None:
+  """Runs `op` (s3_worker.py) on `spec` in a process of its own with UCP_STORE_TIMEOUT_S=3
+  while `rule` stalls requests: it ends in one StorageError line naming the `scheme://` path."""
   import subprocess
   import sys
 
-  if action == "stall-body" and method != "GET":
-    pytest.skip("a PUT's answer has no body to cut")
-  spec, _ = saved
-  if op == "save":
-    spec = _spec(s3, s3.bucket())
-    ucp_jax.save(spec, _tree(1.0), step=1)
   env = {**os.environ, **s3_faults.ENV, "UCP_STORE_TIMEOUT_S": "3"}
   env.pop("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", None)
-  rule = s3_faults.Rule(action, kind=kind, method=method)
-  with s3.proxy.faults(rule):
+  with server.proxy.faults(rule):
     proc = subprocess.run(
       [sys.executable, WORKER, op, json.dumps(spec)],
       env=env,
@@ -238,8 +228,23 @@ def test_a_stalled_store_is_one_error_not_a_hang(s3, saved, op, kind, method, ac
   assert rule.hits, "the fault never struck"
   lines = [line for line in proc.stdout.splitlines() if line != "started"]
   assert proc.returncode == 2, proc.stdout + proc.stderr
-  assert len(lines) == 1 and lines[0].startswith("StorageError: s3://"), lines
+  assert len(lines) == 1 and lines[0].startswith(f"StorageError: {scheme}://"), lines
   assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("action", ["stall", "stall-body"])
+@pytest.mark.parametrize(("op", "kind", "method"), STALLS)
+def test_a_stalled_store_is_one_error_not_a_hang(s3, saved, op, kind, method, action):
+  """With UCP_STORE_TIMEOUT_S=3, a request that never finishes (no answer, or a body that
+  stops half way) ends the operation with one StorageError line. The subprocess timeout
+  only tells a hang from an answer: nothing here measures how long it took."""
+  if action == "stall-body" and method != "GET":
+    pytest.skip("a PUT's answer has no body to cut")
+  spec, _ = saved
+  if op == "save":
+    spec = _spec(s3, s3.bucket())
+    ucp_jax.save(spec, _tree(1.0), step=1)
+  stalled_is_one_error(s3, spec, op, s3_faults.Rule(action, kind=kind, method=method), "s3")
   if op == "save":
     assert _check_value(spec) == 1.0
 
