@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ucp_jax import _rule_specs
-from ucp_jax.store import _reader
+from ucp_jax.store import _checkpoint, _reader
 
 _BLOCK_BYTES = 32 << 20
 
@@ -259,7 +259,7 @@ def _as_number(array: np.ndarray) -> np.ndarray:
   return array.astype(np.float64)
 
 
-def _params_prefix(ckpt: _reader.Checkpoint) -> str:
+def _params_prefix(ckpt: _checkpoint.Checkpoint) -> str:
   """Where a checkpoint's parameters live: the prefix its schema's values share (`model` for
   an NNX training state, `params` for Linen's and converted ones), else `params` if there
   is such a subtree, else the root."""

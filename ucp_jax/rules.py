@@ -52,7 +52,7 @@ from ucp_jax.mapping._transforms import Transform as Transform
 from ucp_jax.models import _configs
 from ucp_jax.models._hf import config_from_hf
 from ucp_jax.sources.hf import _source as hf_source
-from ucp_jax.store import _reader, _untrusted
+from ucp_jax.store import _checkpoint, _reader, _untrusted
 
 
 def transpose(axes: Sequence[int] | None = None) -> Transform:
@@ -252,7 +252,7 @@ def _hf_config(config: Any) -> tuple[dict, list[str] | None, str]:
   (for messages)."""
   if isinstance(config, Mapping):
     return dict(config), None, "config.json"
-  if isinstance(config, _reader.Checkpoint):
+  if isinstance(config, _checkpoint.Checkpoint):
     names = [k.split("/", 1)[1] for k in config.keys() if k.startswith("params/")]
     return _recorded(config), names, f"{config.location}: the manifest's `source.config`"
   if hasattr(config, "to_dict"):  # a transformers config
@@ -271,7 +271,7 @@ def _hf_config(config: Any) -> tuple[dict, list[str] | None, str]:
   return _hf_config(_reader.open(path))
 
 
-def _recorded(ckpt: _reader.Checkpoint) -> dict:
+def _recorded(ckpt: _checkpoint.Checkpoint) -> dict:
   config = ckpt.manifest.source.get("config")
   where = f"{ckpt.location}: the manifest's `source.config`"
   if isinstance(config, str):

@@ -15,7 +15,7 @@ from rich.table import Table
 from ucp_jax import _rule_specs
 from ucp_jax.base import _errors
 from ucp_jax.cli._progress import Reporter, human
-from ucp_jax.store import _reader
+from ucp_jax.store import _checkpoint, _reader
 
 COMMANDS = {}
 """Subcommand name -> its function (filled by `@_command`)."""
@@ -26,7 +26,7 @@ def _command(fn):
   return fn
 
 
-def _open(path: str, source: str | None = None) -> _reader.Checkpoint:
+def _open(path: str, source: str | None = None) -> _checkpoint.Checkpoint:
   """Opens a ucp_jax checkpoint, or any other format a source recognizes (read-only).
 
   A folder that is neither is explained by the sources (what each looks for, what is there),

@@ -19,7 +19,7 @@ import numpy as np
 import tensorstore as ts
 
 from ucp_jax.mapping._mapping import RuleSet
-from ucp_jax.store import _keypath, _location, _reader
+from ucp_jax.store import _checkpoint, _keypath, _location, _reader
 from ucp_jax.store._checkpoint import Checkpoint
 from ucp_jax.store._manifest import ArrayInfo, Manifest
 
@@ -108,7 +108,7 @@ def mapped_state(
 
 
 def _is_checkpoint_path(source: Any) -> bool:
-  return isinstance(source, (str, os.PathLike, _reader.Checkpoint))
+  return isinstance(source, (str, os.PathLike, _checkpoint.Checkpoint))
 
 
 def load_into(

@@ -21,7 +21,7 @@ from ucp_jax.mapping import _plan
 from ucp_jax.mapping._mapped import MappedCheckpoint, info_of
 from ucp_jax.mapping._rule import Rule
 from ucp_jax.mapping._transforms import SubParam, fuse
-from ucp_jax.store import _reader
+from ucp_jax.store import _checkpoint, _reader
 from ucp_jax.tree import _tree
 
 
@@ -99,7 +99,7 @@ class RuleSet:
 
   def view(
     self,
-    ckpt: str | os.PathLike | _reader.Checkpoint,
+    ckpt: str | os.PathLike | _checkpoint.Checkpoint,
     *,
     subtree: str | None = None,
     partial: bool = False,
@@ -117,7 +117,7 @@ class RuleSet:
     Raises:
       MappingError: every name, key and layout the rules cannot map, at once.
     """
-    view = ckpt if isinstance(ckpt, _reader.Checkpoint) else _reader.open(ckpt)
+    view = ckpt if isinstance(ckpt, _checkpoint.Checkpoint) else _reader.open(ckpt)
     prefix = (subtree or "").strip("/")
     for stage in self.stages():
       infos = {_relative(k, prefix): view[k] for k in view.keys() if _below(k, prefix)}

@@ -27,11 +27,11 @@ from typing import Any
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ucp_jax.store import _reader
+from ucp_jax.store import _checkpoint, _reader
 
 
 def tp_shardings(
-  ckpt: str | os.PathLike | _reader.Checkpoint,
+  ckpt: str | os.PathLike | _checkpoint.Checkpoint,
   mesh: Mesh,
   *,
   model_axis: str = "model",
@@ -60,7 +60,7 @@ def tp_shardings(
     The checkpoint's tree (`{"params": {NAME: ...}, "exp_avg": {...}, ...}`) with a
     `NamedSharding` at every leaf; pass it to `ucp_jax.restore`.
   """
-  ckpt = ckpt if isinstance(ckpt, _reader.Checkpoint) else _reader.open(ckpt)
+  ckpt = ckpt if isinstance(ckpt, _checkpoint.Checkpoint) else _reader.open(ckpt)
   schema = ckpt.manifest.schema or {}
   specs: dict[str, P] = {}
   for entry in (schema.get("params") or {}).values():

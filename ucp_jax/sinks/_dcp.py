@@ -39,7 +39,7 @@ import numpy as np
 from ucp_jax.base import _errors
 from ucp_jax.sinks import _folder, _schema
 from ucp_jax.sinks._report import ExportReport
-from ucp_jax.store import _reader
+from ucp_jax.store import _checkpoint
 
 NAME = "dcp"
 TORCH_NAMES = True  # writes torch names: a rule set maps a Flax-named checkpoint first
@@ -60,7 +60,7 @@ def check_options(dst: str | os.PathLike, *, overwrite: bool, ranks: int = 1) ->
 
 
 def export(
-  ckpt: _reader.Checkpoint,
+  ckpt: _checkpoint.Checkpoint,
   dst: str,
   *,
   overwrite: bool,

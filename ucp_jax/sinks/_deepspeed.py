@@ -33,7 +33,7 @@ import numpy as np
 from ucp_jax.base import _errors
 from ucp_jax.sinks import _folder, _moe_sink, _schema
 from ucp_jax.sinks._report import ExportReport
-from ucp_jax.store import _reader
+from ucp_jax.store import _checkpoint
 
 DS_VERSION = "0.19.8"
 """The DeepSpeed version whose `load_universal` this layout is written for (and tested with)."""
@@ -137,7 +137,7 @@ def check_options(
 
 
 def export(
-  ckpt: _reader.Checkpoint,
+  ckpt: _checkpoint.Checkpoint,
   dst: str,
   *,
   overwrite: bool,
@@ -155,7 +155,7 @@ def export(
 
 
 def write(
-  ckpt: _reader.Checkpoint,
+  ckpt: _checkpoint.Checkpoint,
   plan: _schema.ExportPlan,
   dst: str,
   *,

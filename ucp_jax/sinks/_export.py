@@ -15,11 +15,11 @@ from typing import Any
 from ucp_jax.base import _errors
 from ucp_jax.sinks import _flax_names, _registry, _schema
 from ucp_jax.sinks._report import ExportReport
-from ucp_jax.store import _reader
+from ucp_jax.store import _checkpoint, _reader
 
 
 def export(
-  ckpt: str | os.PathLike | _reader.Checkpoint,
+  ckpt: str | os.PathLike | _checkpoint.Checkpoint,
   dst: str | os.PathLike,
   *,
   format: str,
@@ -74,7 +74,7 @@ def export(
   sink = _registry.get(format)
   _registry.check_option_names(sink, options)
   sink.check_options(dst, overwrite=overwrite, **options)  # before anything is read
-  opened = ckpt if isinstance(ckpt, _reader.Checkpoint) else _reader.open(ckpt)
+  opened = ckpt if isinstance(ckpt, _checkpoint.Checkpoint) else _reader.open(ckpt)
   opened, inferred = _schema.inferred(opened)
   naming = (opened.manifest.schema or {}).get("naming", "torch")
   if rules is not None and not sink.TORCH_NAMES:  # a sink of JAX keys (Orbax)

@@ -13,10 +13,10 @@ import numpy as np
 
 from ucp_jax.base import _errors
 from ucp_jax.mapping._load import ArraysCheckpoint
-from ucp_jax.store import _reader
+from ucp_jax.store import _checkpoint
 
 
-def torch_named(ckpt: _reader.Checkpoint, rules) -> _reader.Checkpoint:
+def torch_named(ckpt: _checkpoint.Checkpoint, rules) -> _checkpoint.Checkpoint:
   """`ckpt` (naming "flax") as a torch-named checkpoint with the same schema otherwise.
 
   Holds every parameter, slot and buffer in host memory once.

@@ -28,7 +28,7 @@ from ucp_jax.base import _errors
 from ucp_jax.sinks import _folder, _schema
 from ucp_jax.sinks._report import ExportReport
 from ucp_jax.sources import hf as hf_source
-from ucp_jax.store import _reader, _untrusted
+from ucp_jax.store import _checkpoint, _untrusted
 
 NAME = "hf"
 TORCH_NAMES = True  # writes torch names: a rule set maps a Flax-named checkpoint first
@@ -57,7 +57,7 @@ def check_options(
 
 
 def export(
-  ckpt: _reader.Checkpoint,
+  ckpt: _checkpoint.Checkpoint,
   dst: str,
   *,
   overwrite: bool,

@@ -36,7 +36,7 @@ import numpy as np
 from ucp_jax.base import _errors
 from ucp_jax.sinks import _folder
 from ucp_jax.sinks._report import ExportReport
-from ucp_jax.store import _keypath, _reader, _zarr
+from ucp_jax.store import _checkpoint, _keypath, _zarr
 
 NAME = "orbax"
 TORCH_NAMES = False  # writes the checkpoint's own keys: no rule set applies
@@ -75,7 +75,7 @@ def check_options(
 
 
 def export(
-  ckpt: _reader.Checkpoint,
+  ckpt: _checkpoint.Checkpoint,
   dst: str,
   *,
   overwrite: bool,
@@ -179,7 +179,7 @@ class _Shape:
   nnx: bool | None
 
 
-def _shape_of(ckpt: _reader.Checkpoint, nnx: bool | None) -> _Shape:
+def _shape_of(ckpt: _checkpoint.Checkpoint, nnx: bool | None) -> _Shape:
   """Nested dicts by key; lists, empty nodes and NNX values where the checkpoint records them."""
   keys = set(ckpt.keys())
   recorded = (ckpt.manifest.source or {}).get("orbax_tree")
@@ -206,7 +206,7 @@ def _shape_of(ckpt: _reader.Checkpoint, nnx: bool | None) -> _Shape:
   return _Shape(build, bool(wrapped))
 
 
-def _target_shape(ckpt: _reader.Checkpoint, target: Any) -> _Shape:
+def _target_shape(ckpt: _checkpoint.Checkpoint, target: Any) -> _Shape:
   """The target's own tree, each leaf replaced by the checkpoint's array for its key."""
   from ucp_jax.tree import _tree
 
@@ -254,7 +254,7 @@ def _nest(nodes: dict[str, _Leaf], sequences: set[str]) -> Any:
   return build(root, "")
 
 
-def _leaf(ckpt: _reader.Checkpoint, key: str, scratch: str) -> Any:
+def _leaf(ckpt: _checkpoint.Checkpoint, key: str, scratch: str) -> Any:
   """`key` as Orbax saves it: a Python number, a typed PRNG key or a numpy array."""
   info = ckpt[key]
   if info.kind == "scalar":

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ucp_jax.base import _errors
-from ucp_jax.store import _reader
+from ucp_jax.store import _checkpoint, _reader
 
 SCHEMA_VERSION = 1
 ADAM_SLOTS = ("exp_avg", "exp_avg_sq")
@@ -29,7 +29,7 @@ HOW_TO_GET_A_SCHEMA = (
 )
 
 
-def inferred(ckpt: _reader.Checkpoint) -> tuple[_reader.Checkpoint, str | None]:
+def inferred(ckpt: _checkpoint.Checkpoint) -> tuple[_checkpoint.Checkpoint, str | None]:
   """`ckpt` with a schema found from its keys, and a note saying so, when it was saved without
   one (`ucp_jax.save` or `UcpSave` of a training state's tree); else `(ckpt, None)`.
 
@@ -99,7 +99,7 @@ class ExportPlan:
     return tuple(names)
 
 
-def plan(ckpt: _reader.Checkpoint) -> ExportPlan:
+def plan(ckpt: _checkpoint.Checkpoint) -> ExportPlan:
   """Checks `ckpt`'s schema against its arrays and resolves it.
 
   Raises:
@@ -162,7 +162,7 @@ def plan(ckpt: _reader.Checkpoint) -> ExportPlan:
   )
 
 
-def _check_torch_names(ckpt: _reader.Checkpoint, naming: Any) -> None:
+def _check_torch_names(ckpt: _checkpoint.Checkpoint, naming: Any) -> None:
   """Raises unless the schema names parameters the torch way (then every name would be wrong
   for this one reason: it is said once, not once per parameter)."""
   if naming != "torch":
@@ -184,7 +184,7 @@ class WeightsPlan:
   nbytes: int
 
 
-def _check_has_optimizer_state(ckpt: _reader.Checkpoint, schema: dict) -> None:
+def _check_has_optimizer_state(ckpt: _checkpoint.Checkpoint, schema: dict) -> None:
   """One error for a checkpoint of weights alone (a Hugging Face folder, a state dict), not
   a problem per parameter: no optimizer entry, and no parameter with a slot."""
   optimizer, params = schema.get("optimizer"), schema.get("params")
@@ -200,7 +200,7 @@ def _check_has_optimizer_state(ckpt: _reader.Checkpoint, schema: dict) -> None:
   )
 
 
-def weights(ckpt: _reader.Checkpoint) -> WeightsPlan:
+def weights(ckpt: _checkpoint.Checkpoint) -> WeightsPlan:
   """The parameters' values and the buffers of `ckpt`, resolved from its schema.
 
   Unlike `plan`, asks nothing of the optimizer: a checkpoint of weights alone (a Hugging
@@ -255,7 +255,7 @@ def _groups(groups: Any, problems: list[str]) -> list[dict[str, Any]]:
   return out
 
 
-def check_jax_only(ckpt: _reader.Checkpoint) -> None:
+def check_jax_only(ckpt: _checkpoint.Checkpoint) -> None:
   """Raises what `plan` would about optimizer state DeepSpeed has no names for, before a
   Flax-named checkpoint is mapped to torch names (where it would show as missing slots)."""
   optimizer = (ckpt.manifest.schema or {}).get("optimizer")
@@ -326,7 +326,7 @@ def valid_name(name: str) -> bool:
 class _Checker:
   """Resolves schema entries to keys, noting every problem."""
 
-  def __init__(self, ckpt: _reader.Checkpoint, problems: list[str]):
+  def __init__(self, ckpt: _checkpoint.Checkpoint, problems: list[str]):
     self._ckpt = ckpt
     self._problems = problems
 

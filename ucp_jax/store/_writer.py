@@ -67,7 +67,7 @@ class Writer:
     self._overwrite = overwrite
     self._sync = sync or _multihost.Sync(str(target))
     self._durable = durable
-    self._base = base  # the checkpoint (`_reader.Checkpoint`) that reused arrays come from
+    self._base = base  # the checkpoint (`_checkpoint.Checkpoint`) that reused arrays come from
     self._hashed = hashed  # record the sha256 of every chunk
     self._reused: dict[str, _manifest.ArrayInfo] = {}  # key -> its entry in the base
     self._nodes: list[Any] = []  # writes of zarr.json files still running

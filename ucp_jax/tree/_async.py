@@ -22,9 +22,9 @@ import numpy as np
 
 from ucp_jax.base import _multihost
 from ucp_jax.store import (
+  _checkpoint,
   _location,
   _manifest,
-  _reader,
   _shards,
   _writer,
   _zarr,
@@ -45,7 +45,7 @@ class Job:
   compression: str | None
   max_host_bytes: int
   durable: bool = True
-  base: _reader.Checkpoint | None = None
+  base: _checkpoint.Checkpoint | None = None
   hashed: bool = False
   arrays: dict[str, weakref.ref] = dataclasses.field(default_factory=dict)  # for `_unchanged`
   pool_levels: int = 0
@@ -82,7 +82,7 @@ def save_async(
   durable: bool = True,
   schema: dict | None = None,
   source: dict | None = None,
-  base: str | os.PathLike | _reader.Checkpoint | None = None,
+  base: str | os.PathLike | _checkpoint.Checkpoint | None = None,
   unchanged: _unchanged.Unchanged = "identity",
 ) -> SaveHandle:
   """Saves like `save`, writing in the background once the state is in host memory.
@@ -168,7 +168,7 @@ def snapshot(
   compression: str | None,
   max_host_bytes: int,
   durable: bool = True,
-  base: str | os.PathLike | _reader.Checkpoint | None = None,
+  base: str | os.PathLike | _checkpoint.Checkpoint | None = None,
   unchanged: _unchanged.Unchanged = "identity",
   pool_levels: int | None = None,
   **options,

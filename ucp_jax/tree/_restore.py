@@ -103,7 +103,7 @@ def restore(
   return unflatten(values)
 
 
-def _exact(ckpt: _reader.Checkpoint, wants: dict[str, _Want], values: dict) -> dict:
+def _exact(ckpt: _checkpoint.Checkpoint, wants: dict[str, _Want], values: dict) -> dict:
   """The restored jax.Arrays that hold exactly the stored values (not cast)."""
   return {
     key: values[key]
@@ -112,14 +112,14 @@ def _exact(ckpt: _reader.Checkpoint, wants: dict[str, _Want], values: dict) -> d
   }
 
 
-def _read_all(ckpt: _reader.Checkpoint, wants: dict[str, _Want], max_host_bytes: int) -> dict:
+def _read_all(ckpt: _checkpoint.Checkpoint, wants: dict[str, _Want], max_host_bytes: int) -> dict:
   try:
     return _Reads(ckpt, max_host_bytes).run(wants)
   except _errors.CorruptCheckpointError as e:
     raise _checkpoint.if_replaced(ckpt, e) from e
 
 
-def _restore_untargeted(ckpt: _reader.Checkpoint, prefix: str, max_host_bytes: int) -> Any:
+def _restore_untargeted(ckpt: _checkpoint.Checkpoint, prefix: str, max_host_bytes: int) -> Any:
   keys = [k for k in ckpt.keys() if not prefix or k == prefix or k.startswith(prefix + "/")]
   if not keys:
     raise _errors.TreeMismatchError(f"{ckpt.location}: no keys under subtree {prefix!r}")
@@ -171,7 +171,7 @@ def _want(key: str, leaf: Any) -> _Want | None:
 
 
 def _validate(
-  ckpt: _reader.Checkpoint, wants: dict[str, _Want], prefix: str, partial: bool, cast: bool
+  ckpt: _checkpoint.Checkpoint, wants: dict[str, _Want], prefix: str, partial: bool, cast: bool
 ) -> None:
   """Checks the whole target against the manifest, raising once per kind with every key."""
   stored = ckpt.manifest.arrays
@@ -235,7 +235,7 @@ def _dtype_problem(want: _Want, info: ArrayInfo, cast: bool) -> str | None:
 class _Reads:
   """Issues every read a restore needs, at most ~max_host_bytes in flight."""
 
-  def __init__(self, ckpt: _reader.Checkpoint, max_host_bytes: int):
+  def __init__(self, ckpt: _checkpoint.Checkpoint, max_host_bytes: int):
     self._ckpt = ckpt
     self._budget = max_host_bytes
     self._stores: dict[str, Any] = {}

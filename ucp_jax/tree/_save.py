@@ -11,11 +11,11 @@ import numpy as np
 from ucp_jax.base import _errors, _multihost
 from ucp_jax.store import (
   _bundle,
+  _checkpoint,
   _keypath,
   _location,
   _manifest,
   _pool,
-  _reader,
   _untrusted,
   _write_plan,
   _zarr,
@@ -46,7 +46,7 @@ def save(
   durable: bool = True,
   schema: dict | None = None,
   source: dict | None = None,
-  base: str | os.PathLike | _reader.Checkpoint | None = None,
+  base: str | os.PathLike | _checkpoint.Checkpoint | None = None,
   unchanged: _unchanged.Unchanged = "identity",
 ) -> str:
   """Saves a pytree as a universal checkpoint.
@@ -160,7 +160,7 @@ def run(
   compression: str | None,
   max_host_bytes: int,
   durable: bool,
-  base: str | os.PathLike | _reader.Checkpoint | None,
+  base: str | os.PathLike | _checkpoint.Checkpoint | None,
   unchanged: _unchanged.Unchanged,
   pool_levels: int | None = None,
   **options,
@@ -244,7 +244,7 @@ def write(
   compression: str | None,
   max_host_bytes: int,
   durable: bool = True,
-  base: _reader.Checkpoint | None = None,
+  base: _checkpoint.Checkpoint | None = None,
   hashed: bool = False,
   pool_levels: int = 0,
 ) -> str:

@@ -30,6 +30,7 @@ import numpy as np
 
 from ucp_jax.base import _errors, _multihost
 from ucp_jax.store import (
+  _checkpoint,
   _chunks,
   _location,
   _pool,
@@ -98,7 +99,7 @@ def _same(token: str, key: str, leaf: Any) -> bool:
 def mark(
   entries: list[_writer.Entry],
   flat: dict[str, Any],
-  base: _reader.Checkpoint | None,
+  base: _checkpoint.Checkpoint | None,
   target: _location.Location,
   *,
   unchanged: Unchanged,
