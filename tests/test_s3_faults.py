@@ -413,7 +413,8 @@ def test_a_restore_reads_each_zarr_json_once(s3):
 
 def test_a_restore_reads_each_bundle_in_one_request(s3):
   """A process's chunks of a bundle are read in one batch: TensorStore coalesces them (and
-  the bundle's index) into one ranged GET, not a GET per chunk and index."""
+  the bundle's index) into one ranged GET, not a GET per chunk and index; `read` and
+  `verify` read that way too."""
   import jax
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
@@ -434,3 +435,6 @@ def test_a_restore_reads_each_bundle_in_one_request(s3):
   before = s3.proxy.seen("chunk", method="GET")
   np.testing.assert_array_equal(ucp_jax.open(spec).read("w2"), w + 2)  # a whole array: one too
   assert s3.proxy.seen("chunk", method="GET") - before == 1
+  before = s3.proxy.seen("chunk", method="GET")
+  assert ucp_jax.open(spec).verify() == {}  # and verify, array by array
+  assert s3.proxy.seen("chunk", method="GET") - before == len(state)

@@ -29,6 +29,7 @@ class Verifiable(Protocol):
   def array_location(self, key: str) -> Location: ...
   def zarr_future(self, key: str) -> ts.Future: ...
   def tensorstore(self, key: str) -> ts.TensorStore: ...
+  def start_read(self, key: str, regions: list) -> tuple[list, Callable[[], None]]: ...
 
 
 _BLOCK_BYTES = 64 << 20
@@ -87,14 +88,18 @@ def _check_array(ckpt: Verifiable, kvstore, key: str) -> str | None:
     return f"{len(extra)} files outside the chunk grid: {shown}" + (
       ", ..." if len(extra) > 3 else ""
     )
-  blocks = _blocks(store, info)
-  pending = []
-  for block in blocks:  # a few blocks in flight: bounded memory, overlapped reads
-    pending.append(block.read())
-    if len(pending) >= 4:
-      _zarr.wait_read(ckpt.location, key, pending.pop(0))
-  for f in pending:
-    _zarr.wait_read(ckpt.location, key, f)
+  if data.local_dir is None:  # an object store: each block's chunks in coalesced batches
+    for region in _block_regions(info):
+      _, wait = ckpt.start_read(key, [region])
+      wait()
+  else:
+    pending = []
+    for region in _block_regions(info):  # a few blocks in flight: bounded memory, overlap
+      pending.append((store[region] if region else store).read())
+      if len(pending) >= 4:
+        _zarr.wait_read(ckpt.location, key, pending.pop(0))
+    for f in pending:
+      _zarr.wait_read(ckpt.location, key, f)
   files = ckpt.files(key)  # read without the bundles' indexes: check they agree
   bad = files.index_problems() if files is not None else []
   if bad:
@@ -103,21 +108,22 @@ def _check_array(ckpt: Verifiable, kvstore, key: str) -> str | None:
   return None
 
 
-def _blocks(store, info) -> Iterator:
+def _block_regions(info) -> Iterator[tuple]:
   """The array in blocks of whole chunks, each about `_BLOCK_BYTES` or one chunk: rows of
   chunks when a row is small, else chunk by chunk (a row may be larger than memory)."""
   if not info.shape:
-    yield store
+    yield ()
     return
   chunks = info.chunks
   row = math.prod(info.shape[1:]) * np.dtype(info.dtype).itemsize * chunks[0]
   if row <= _BLOCK_BYTES:
     step = chunks[0] * max(1, _BLOCK_BYTES // max(1, row))
     n = info.shape[0]
-    yield from (store[i : min(i + step, n)] for i in range(0, n, step))
+    rest = tuple(slice(0, d) for d in info.shape[1:])
+    yield from ((slice(i, min(i + step, n)), *rest) for i in range(0, n, step))
     return
   for index in itertools.product(*(range(n) for n in _chunks.grid(info.shape, chunks))):
-    yield store[_chunks.chunk_region(index, chunks, info.shape)]
+    yield _chunks.chunk_region(index, chunks, info.shape)
 
 
 def _grid_index(name: str, grid: tuple[int, ...]) -> tuple[int, ...] | None:
