@@ -13,8 +13,7 @@ import json
 import pytest
 
 import ucp_jax
-from ucp_jax import rules
-from ucp_jax.models import _hf
+from ucp_jax import families, rules
 
 MINE = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3")
 MINE += ("olmo2", "gpt_neox")
@@ -34,7 +33,7 @@ def test_the_defaults_are_the_transformers_config_classes(kind):
   transformers = pytest.importorskip("transformers")
   config_class = transformers.CONFIG_MAPPING[kind]
   fields = {f.name: f.default for f in dataclasses.fields(config_class)}
-  for key, value in _hf.DEFAULTS[kind].items():
+  for key, value in families.get(kind).defaults.items():
     assert key in fields, f"{kind}: {key} is not a field of {config_class.__name__}"
     assert fields[key] == value, f"{kind}: {key}"
 
@@ -150,3 +149,30 @@ def test_the_configs_name_the_activations_the_models_run():
   from ucp_jax.models import _common, _configs
 
   assert tuple(_common.ACTIVATIONS) == _configs.ACTIVATION_NAMES
+
+
+@pytest.mark.parametrize("kind", families.ready())
+def test_each_family_is_one_record_whose_model_runs_its_defaults(kind):
+  """The registry's record of `kind` reads a `config.json` of nothing but the `model_type`
+  (its class's defaults) into a config that `models.build` runs on the record's model."""
+  from ucp_jax.models import _build
+
+  family = families.get(kind)
+  assert family.model_type == kind
+  model = _build.MODELS[type(families.config_from_hf({"model_type": kind}))]
+  assert f"{model.__module__.rpartition('.')[2]}.{model.__name__}" == family.model
+
+
+def test_a_family_is_found_without_importing_the_others():
+  import subprocess
+  import sys
+
+  code = (
+    "import sys\nfrom ucp_jax import families\nfamilies.get('mistral')\n"
+    "print(sorted(m for m in sys.modules if m.startswith('ucp_jax.families.')))"
+  )
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  loaded = out.stdout.strip()
+  assert (
+    loaded == "['ucp_jax.families._family', 'ucp_jax.families.llama', 'ucp_jax.families.mistral']"
+  )

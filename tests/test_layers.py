@@ -3,8 +3,9 @@ no jax, and the converters stay free of JAX.
 
 Each subpackage is a layer (README's Layout): `base` (errors, the processes of a run) below
 everything; store < tree < mapping; parallel patterns, sources and sinks above the store;
-integrations above all of those; the package root (the public modules) above every layer
-but the command line, `cli`, on top. A module may import its own layer and the layers below
+integrations above all of those; the model families (`families`: a `config.json`'s model and
+rule set) above the models and the mapping; the package root (the public modules) above every
+layer but the command line, `cli`, on top. A module may import its own layer and the layers below
 it (imports only for type checking are exempt); these tests fail on the first import that
 reaches up or sideways.
 """
@@ -27,8 +28,9 @@ BELOW = {
   "sinks": {"sources", "mapping", "tree", "store", "base"},
   "integrations": {"sinks", "mapping", "tree", "store", "base"},
   "models": {"tree", "store", "base"},
-  "root": {*LAYERS, "models"},
-  "cli": {"root", *LAYERS, "models"},
+  "families": {"models", "mapping", "tree", "store", "base"},
+  "root": {*LAYERS, "models", "families"},
+  "cli": {"root", *LAYERS, "models", "families"},
 }
 """Layer -> the layers it may import."""
 

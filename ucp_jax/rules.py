@@ -34,23 +34,22 @@ from typing import Any
 
 import numpy as np
 
+from ucp_jax import families
 from ucp_jax.base import _errors
 from ucp_jax.mapping._check import check_forward as check_forward
-from ucp_jax.mapping._hf_rulesets import for_family
 from ucp_jax.mapping._hf_rulesets import hf_gpt2 as hf_gpt2
 from ucp_jax.mapping._hf_rulesets import hf_gpt_neox as hf_gpt_neox
 from ucp_jax.mapping._hf_rulesets import hf_llama as hf_llama
 from ucp_jax.mapping._load import load_into as load_into
 from ucp_jax.mapping._mapped import MappedCheckpoint as MappedCheckpoint
 from ucp_jax.mapping._mapping import RuleSet as RuleSet
-from ucp_jax.mapping._moe_rulesets import hf_moe as hf_moe  # registers the MoE families
+from ucp_jax.mapping._moe_rulesets import hf_moe as hf_moe
 from ucp_jax.mapping._rule import Rule as Rule
 from ucp_jax.mapping._rulesets import gpt2 as gpt2
 from ucp_jax.mapping._rulesets import llama as llama
 from ucp_jax.mapping._transforms import Cast, Merge, Split, Stack, SubParam, Transpose
 from ucp_jax.mapping._transforms import Transform as Transform
 from ucp_jax.models import _configs
-from ucp_jax.models._hf import config_from_hf
 from ucp_jax.sources.hf import _source as hf_source
 from ucp_jax.store import _checkpoint, _reader, _untrusted
 
@@ -235,8 +234,8 @@ def from_hf(
       not compute, a field of the wrong type, a checkpoint that recorded no config.
   """
   hf, names, where = _hf_config(config)
-  cfg = config_from_hf(hf, where=where)
-  rs = for_family(
+  cfg = families.config_from_hf(hf, where=where)
+  rs = families.rules_for(
     hf["model_type"],
     cfg,
     stacked=stacked,

@@ -5,7 +5,7 @@ q/k/v biases, Qwen3 with its q/k norms, Gemma 1/2/3 with their sandwich norms, O
 its post-norms, Phi-3 with its fused `qkv_proj` and `gate_up_proj`, read as sub-parameters);
 `hf_gpt_neox` covers GPT-NeoX; `hf_gpt2` covers GPT-2, whose `Conv1D` weights are stored
 `[in, out]`, the Flax layout, where a `Linear`'s are `[out, in]`: they are split into heads
-but never transposed. `FAMILY_RULES` gives each `model_type`'s set from its Flax config;
+but never transposed. `ucp_jax.families` gives each `model_type`'s set from its Flax config;
 `ucp_jax.rules.from_hf` picks the set and the model config from a `config.json`.
 """
 
@@ -303,7 +303,8 @@ def hf_gpt_neox(
   )
 
 
-def _llama_like(cfg, **options: Any) -> RuleSet:
+def llama_like(cfg, **options: Any) -> RuleSet:
+  """`hf_llama` for a Llama-like Flax config (`models.llama.LlamaConfig`)."""
   fused = options.pop("fused", False)
   qk = "all" if cfg.qk_norm == "all" else "head"
   return hf_llama(
@@ -317,68 +318,24 @@ def _llama_like(cfg, **options: Any) -> RuleSet:
   )
 
 
-FAMILY_RULES: dict[str, tuple[str, tuple[str, ...], Any]] = {
-  "gpt2": (
-    "transformer.",
-    ("wte.", "h."),
-    lambda cfg, **o: hf_gpt2(num_heads=cfg.num_heads, tied=cfg.tie_embeddings, **o),
-  ),
-  **{
-    kind: ("model.", ("embed_tokens.", "layers."), _llama_like)
-    for kind in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2")
-  },
-  "phi3": (
-    "model.",
-    ("embed_tokens.", "layers."),
-    lambda cfg, **o: _llama_like(cfg, fused=True, **o),
-  ),
-  "gpt_neox": (
-    "gpt_neox.",
-    ("embed_in.", "layers."),
-    lambda cfg, **o: hf_gpt_neox(num_heads=cfg.num_heads, tied=cfg.tie_embeddings, **o),
-  ),
-}
-"""`model_type` -> (the names' prefix in `...ForCausalLM`, the base model's first names
-without it, `make(flax_config, stacked=, prefix=, ...)`): what `ucp_jax.rules.from_hf` uses.
-A new family adds its entry (and its reader in `ucp_jax.models._hf.FAMILIES`)."""
+def fused_llama_like(cfg, **options: Any) -> RuleSet:
+  """`llama_like` with fused qkv and gate_up weights (Phi-3's)."""
+  return llama_like(cfg, fused=True, **options)
 
 
-def for_family(
-  kind: str,
-  cfg: Any,
-  *,
-  stacked: bool,
-  prefix: str | None,
-  names: list[str] | None,
-  architectures: Any,
-) -> RuleSet:
-  """The rule set for `model_type` `kind` with Flax config `cfg`; the prefix (when None) read
-  from the weight `names` where given, else from `architectures`."""
-  full, bare, make = FAMILY_RULES[kind]
-  if prefix is None:
-    prefix = _prefix(full, bare, names, architectures)
-  options: dict[str, Any] = {"stacked": stacked, "prefix": prefix}
-  if kind == "gpt_neox" and names and any(n == "embed_out.weight" for n in names):
-    options["head"] = "embed_out"  # the Pythia checkpoints' name
-  if kind in NAMED_OPTIONS:  # options the weight names decide (MoE: the experts' layout)
-    options |= NAMED_OPTIONS[kind](names)
-  return make(cfg, **options)
+def gpt2_for(cfg, **options: Any) -> RuleSet:
+  """`hf_gpt2` for a `models.gpt.GPTConfig`."""
+  return hf_gpt2(num_heads=cfg.num_heads, tied=cfg.tie_embeddings, **options)
 
 
-NAMED_OPTIONS: dict[str, Any] = {}
-"""`model_type` -> `options(names)`: rule-set options read from the weight names (or None)."""
+def gpt_neox_for(cfg, **options: Any) -> RuleSet:
+  """`hf_gpt_neox` for a `models.neox.NeoXConfig`."""
+  return hf_gpt_neox(num_heads=cfg.num_heads, tied=cfg.tie_embeddings, **options)
 
 
-def _prefix(full: str, bare: tuple[str, ...], names: list[str] | None, archs: Any) -> str:
-  if names:
-    if any(n.startswith(full) for n in names):
-      return full
-    if any(n.startswith(bare) for n in names):
-      return ""
-  archs = archs if isinstance(archs, list) else []
-  if archs and all(a.endswith("Model") and "For" not in a and "Head" not in a for a in archs):
-    return ""
-  return full
+def gpt_neox_head(names: list[str] | None) -> dict[str, Any]:
+  """The head's name in the weight names: `embed_out` in the Pythia checkpoints."""
+  return {"head": "embed_out"} if names and "embed_out.weight" in names else {}
 
 
 def _check_options(function: str, **options: Any) -> None:

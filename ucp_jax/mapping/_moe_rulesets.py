@@ -146,7 +146,8 @@ def expert_layout(names: list[str] | None) -> str:
 
 
 def make(family: str):
-  """`FAMILY_RULES`' maker for `family`: `make(cfg, stacked=, prefix=, experts=)`."""
+  """The rule-set maker of `family`'s record (`ucp_jax.families`): `make(cfg, stacked=,
+  prefix=, experts=)`."""
 
   def rules(cfg: Any, **options: Any) -> RuleSet:
     return hf_moe(
@@ -160,14 +161,6 @@ def make(family: str):
   return rules
 
 
-def register() -> None:
-  """Adds the MoE families to `_hf_rulesets.FAMILY_RULES` (their names' layout read from the
-  weight names, `NAMED_OPTIONS`)."""
-  from ucp_jax.mapping import _hf_rulesets
-
-  for family in _SPLIT_NAMES:
-    _hf_rulesets.FAMILY_RULES[family] = ("model.", ("embed_tokens.", "layers."), make(family))
-    _hf_rulesets.NAMED_OPTIONS[family] = lambda names: {"experts": expert_layout(names)}
-
-
-register()
+def named_options(names: list[str] | None) -> dict[str, Any]:
+  """The rule-set options a MoE checkpoint's weight names decide: its experts' layout."""
+  return {"experts": expert_layout(names)}

@@ -11,7 +11,6 @@ over `data`, TP over `model`, EP over `expert`, by logical-axis rules (`AXIS_RUL
 caller may override; `ucp_jax.rules.load_into` then fills it, each device reading its slice.
 """
 
-from ucp_jax.models import _hf_moe as _hf_moe  # registers the MoE families' configs
 from ucp_jax.store import _lazy
 
 # The Flax models load on first use (PEP 562): the configs (`_configs`) and the Hugging Face
