@@ -49,6 +49,23 @@ class Family:
   named_options: Callable[[list[str] | None], dict[str, Any]] | None = None
 
 
+LLAMA_NAMES = ("model.", ("embed_tokens.", "layers."))
+"""The names' layout of Llama-shaped checkpoints (`model.layers.{i}...`, `model.embed_tokens`)."""
+
+
+def llama_shaped(model_type: str, defaults: Mapping[str, Any], read, **fields: Any) -> Family:
+  """The record of a family with Llama's names on `models.llama.FlaxLlama` (its rule set
+  `mapping._hf_rulesets.llama_like` unless `rules=` says otherwise)."""
+  from ucp_jax.mapping import _hf_rulesets
+
+  fields = {
+    "names": LLAMA_NAMES,
+    "rules": _hf_rulesets.llama_like,
+    "model": "llama.FlaxLlama",
+  } | fields
+  return Family(model_type, defaults, read, **fields)
+
+
 BUILTIN: dict[str, str] = {
   "gpt2": "ucp_jax.families.gpt2",
   "llama": "ucp_jax.families.llama",

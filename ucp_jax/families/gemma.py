@@ -7,8 +7,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ucp_jax.base._errors import shown
-from ucp_jax.families._family import Family
-from ucp_jax.mapping import _hf_rulesets as rulesets
+from ucp_jax.families._family import llama_shaped
 from ucp_jax.models import _configs, _hf_rope
 from ucp_jax.models import _hf as hf
 from ucp_jax.models._hf_reader import Reader
@@ -74,34 +73,25 @@ def _gemma3_rope(r: Reader, head_dim: int) -> dict[str, Any]:
 
 
 FAMILIES = (
-  Family(
-    model_type="gemma",
-    defaults=hf.defaults((256000, 3072, 24576, 28, 16, 16), head_dim=256)
+  llama_shaped(
+    "gemma",
+    hf.defaults((256000, 3072, 24576, 28, 16, 16), head_dim=256)
     | {"hidden_act": "gelu_pytorch_tanh", "max_position_embeddings": 8192, "rms_norm_eps": 1e-6}
     | {"tie_word_embeddings": True, "attention_bias": False, "use_bidirectional_attention": None},
-    read=_gemma,
-    names=("model.", ("embed_tokens.", "layers.")),
-    rules=rulesets.llama_like,
-    model="llama.FlaxLlama",
+    _gemma,
   ),
-  Family(
-    model_type="gemma2",
-    defaults=hf.defaults((256000, 2304, 9216, 26, 8, 4), **GEMMA2)
+  llama_shaped(
+    "gemma2",
+    hf.defaults((256000, 2304, 9216, 26, 8, 4), **GEMMA2)
     | {"max_position_embeddings": 8192, "final_logit_softcapping": 30.0}
     | {"attn_logit_softcapping": 50.0, "use_bidirectional_attention": None},
-    read=_gemma,
-    names=("model.", ("embed_tokens.", "layers.")),
-    rules=rulesets.llama_like,
-    model="llama.FlaxLlama",
+    _gemma,
   ),
-  Family(
-    model_type="gemma3_text",
-    defaults=hf.defaults((262208, 2304, 9216, 26, 8, 4), **GEMMA2)
+  llama_shaped(
+    "gemma3_text",
+    hf.defaults((262208, 2304, 9216, 26, 8, 4), **GEMMA2)
     | {"max_position_embeddings": 131072, "final_logit_softcapping": None}
     | {"attn_logit_softcapping": None, "use_bidirectional_attention": False},
-    read=_gemma,
-    names=("model.", ("embed_tokens.", "layers.")),
-    rules=rulesets.llama_like,
-    model="llama.FlaxLlama",
+    _gemma,
   ),
 )

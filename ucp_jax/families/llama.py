@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ucp_jax.families._family import Family
-from ucp_jax.mapping import _hf_rulesets as rulesets
+from ucp_jax.families._family import llama_shaped
 from ucp_jax.models import _configs
 from ucp_jax.models import _hf as hf
 from ucp_jax.models._hf_reader import Reader
@@ -22,14 +21,11 @@ def _llama(r: Reader, kind: str) -> Callable[[], _configs.LlamaConfig]:
 
 
 FAMILIES = (
-  Family(
-    model_type="llama",
-    defaults=hf.defaults((32000, 4096, 11008, 32, 32, None), **LLAMA)
+  llama_shaped(
+    "llama",
+    hf.defaults((32000, 4096, 11008, 32, 32, None), **LLAMA)
     | {"head_dim": None, "max_position_embeddings": 2048, "attention_bias": False}
     | {"mlp_bias": False},
-    read=_llama,
-    names=("model.", ("embed_tokens.", "layers.")),
-    rules=rulesets.llama_like,
-    model="llama.FlaxLlama",
+    _llama,
   ),
 )

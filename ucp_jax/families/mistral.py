@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ucp_jax.families._family import Family
+from ucp_jax.families._family import llama_shaped
 from ucp_jax.families.llama import LLAMA
-from ucp_jax.mapping import _hf_rulesets as rulesets
 from ucp_jax.models import _configs
 from ucp_jax.models import _hf as hf
 from ucp_jax.models._hf_reader import Reader
@@ -19,13 +18,10 @@ def _mistral(r: Reader, kind: str) -> Callable[[], _configs.LlamaConfig]:
 
 
 FAMILIES = (
-  Family(
-    model_type="mistral",
-    defaults=hf.defaults((32000, 4096, 14336, 32, 32, 8), **LLAMA)
+  llama_shaped(
+    "mistral",
+    hf.defaults((32000, 4096, 14336, 32, 32, 8), **LLAMA)
     | {"head_dim": None, "max_position_embeddings": 131072, "sliding_window": 4096},
-    read=_mistral,
-    names=("model.", ("embed_tokens.", "layers.")),
-    rules=rulesets.llama_like,
-    model="llama.FlaxLlama",
+    _mistral,
   ),
 )

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ucp_jax.families._family import Family
-from ucp_jax.mapping import _hf_rulesets as rulesets
+from ucp_jax.families._family import llama_shaped
 from ucp_jax.models import _configs
 from ucp_jax.models import _hf as hf
 from ucp_jax.models._hf_reader import Reader
@@ -19,14 +18,11 @@ def _olmo2(r: Reader, kind: str) -> Callable[[], _configs.LlamaConfig]:
 
 
 FAMILIES = (
-  Family(
-    model_type="olmo2",
-    defaults=hf.defaults((50304, 4096, 11008, 32, 32, None), hidden_act="silu")
+  llama_shaped(
+    "olmo2",
+    hf.defaults((50304, 4096, 11008, 32, 32, None), hidden_act="silu")
     | {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
     | {"attention_bias": False},
-    read=_olmo2,
-    names=("model.", ("embed_tokens.", "layers.")),
-    rules=rulesets.llama_like,
-    model="llama.FlaxLlama",
+    _olmo2,
   ),
 )

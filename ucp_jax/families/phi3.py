@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ucp_jax.base._errors import shown
-from ucp_jax.families._family import Family
+from ucp_jax.families._family import llama_shaped
 from ucp_jax.mapping import _hf_rulesets as rulesets
 from ucp_jax.models import _configs, _hf_rope
 from ucp_jax.models import _hf as hf
@@ -29,14 +29,12 @@ def _phi3(r: Reader, kind: str) -> Callable[[], _configs.LlamaConfig]:
 
 
 FAMILIES = (
-  Family(
-    model_type="phi3",
-    defaults=hf.defaults((32064, 3072, 8192, 32, 32, None), hidden_act="silu")
+  llama_shaped(
+    "phi3",
+    hf.defaults((32064, 3072, 8192, 32, 32, None), hidden_act="silu")
     | {"max_position_embeddings": 4096, "original_max_position_embeddings": 4096}
     | {"rms_norm_eps": 1e-5, "tie_word_embeddings": False, "sliding_window": None},
-    read=_phi3,
-    names=("model.", ("embed_tokens.", "layers.")),
+    _phi3,
     rules=rulesets.fused_llama_like,
-    model="llama.FlaxLlama",
   ),
 )

@@ -6,8 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ucp_jax.base._errors import shown
-from ucp_jax.families._family import Family
-from ucp_jax.mapping import _hf_rulesets as rulesets
+from ucp_jax.families._family import llama_shaped
 from ucp_jax.models import _configs
 from ucp_jax.models import _hf as hf
 from ucp_jax.models._hf_reader import MAX_SIZE, Reader, is_int
@@ -38,21 +37,15 @@ def _qwen(r: Reader, kind: str) -> Callable[[], _configs.LlamaConfig]:
 
 
 FAMILIES = (
-  Family(
-    model_type="qwen2",
-    defaults=hf.defaults((151936, 4096, 22016, 32, 32, 32), **QWEN),
-    read=_qwen,
-    names=("model.", ("embed_tokens.", "layers.")),
-    rules=rulesets.llama_like,
-    model="llama.FlaxLlama",
+  llama_shaped(
+    "qwen2",
+    hf.defaults((151936, 4096, 22016, 32, 32, 32), **QWEN),
+    _qwen,
   ),
-  Family(
-    model_type="qwen3",
-    defaults=hf.defaults((151936, 4096, 22016, 32, 32, 32), **QWEN)
+  llama_shaped(
+    "qwen3",
+    hf.defaults((151936, 4096, 22016, 32, 32, 32), **QWEN)
     | {"head_dim": 128, "attention_bias": False},
-    read=_qwen,
-    names=("model.", ("embed_tokens.", "layers.")),
-    rules=rulesets.llama_like,
-    model="llama.FlaxLlama",
+    _qwen,
   ),
 )
