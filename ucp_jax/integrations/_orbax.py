@@ -26,6 +26,7 @@ from orbax.checkpoint import future as ocp_future
 from ucp_jax.base import _errors
 from ucp_jax.store import _location, _manifest, _reader, _zarr
 from ucp_jax.tree import _async, _restore, _save, _unchanged
+from ucp_jax.tree._options import SaveOptions
 
 
 class UcpCheckpointHandler(ocp.AsyncCheckpointHandler):
@@ -47,23 +48,7 @@ class UcpCheckpointHandler(ocp.AsyncCheckpointHandler):
   async def async_save(self, directory: epath.Path, args: UcpSave) -> list[ocp_future.Future]:
     """Copies the state to host memory; returns the future that writes and commits it."""
     _check_fresh(directory)
-    job = _async.snapshot(
-      str(directory),
-      args.item,
-      overwrite=False,  # Orbax hands out a fresh directory for every step
-      compression=args.compression,
-      max_host_bytes=args.max_host_bytes,
-      durable=args.durable,
-      base=latest_item(directory) if _incremental(directory, args) else None,
-      unchanged=args.unchanged,
-      pool_levels=_POOL_LEVELS if _incremental(directory, args) else 0,
-      step=args.step,
-      metadata=args.metadata,
-      chunk_bytes=args.chunk_bytes,
-      bundle_bytes=args.bundle_bytes,
-      schema=args.schema,
-      source=None,
-    )
+    job = _async.snapshot(str(directory), args.item, _options(directory, args))
 
     async def write() -> None:
       job.run()
@@ -74,22 +59,7 @@ class UcpCheckpointHandler(ocp.AsyncCheckpointHandler):
   def save(self, directory: epath.Path, args: UcpSave) -> None:
     """Saves synchronously (used by Orbax when the handler is not run asynchronously)."""
     _check_fresh(directory)
-    _save.run(
-      str(directory),
-      args.item,
-      step=args.step,
-      metadata=args.metadata,
-      compression=args.compression,
-      max_host_bytes=args.max_host_bytes,
-      chunk_bytes=args.chunk_bytes,
-      bundle_bytes=args.bundle_bytes,
-      durable=args.durable,
-      base=latest_item(directory) if _incremental(directory, args) else None,
-      unchanged=args.unchanged,
-      pool_levels=_POOL_LEVELS if _incremental(directory, args) else 0,
-      schema=args.schema,
-      source=None,
-    )
+    _save.run(str(directory), args.item, _options(directory, args))
 
   def restore(self, directory: epath.Path, args: UcpRestore | None = None) -> Any:
     """Restores onto `args.target` (see `ucp_jax.restore`); without args, numpy arrays."""
@@ -106,6 +76,26 @@ class UcpCheckpointHandler(ocp.AsyncCheckpointHandler):
   def metadata(self, directory: epath.Path) -> _manifest.Manifest:
     """The checkpoint's manifest: step, arrays (shape, dtype), tree, user metadata."""
     return _reader.open(str(directory)).manifest
+
+
+def _options(directory: epath.Path, args: UcpSave) -> SaveOptions:
+  """The save's options: Orbax hands out a fresh directory for every step (nothing to
+  overwrite); an incremental save takes the latest step's item as its base, its pool in the
+  manager's folder."""
+  incremental = _incremental(directory, args)
+  return SaveOptions(
+    step=args.step,
+    metadata=args.metadata,
+    compression=args.compression,
+    max_host_bytes=args.max_host_bytes,
+    chunk_bytes=args.chunk_bytes,
+    bundle_bytes=args.bundle_bytes,
+    durable=args.durable,
+    schema=args.schema,
+    base=latest_item(directory) if incremental else None,
+    unchanged=args.unchanged,
+    pool_levels=_POOL_LEVELS if incremental else 0,
+  )
 
 
 def _check_fresh(directory: epath.Path) -> None:

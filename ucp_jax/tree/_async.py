@@ -24,12 +24,12 @@ from ucp_jax.base import _multihost
 from ucp_jax.store import (
   _checkpoint,
   _location,
-  _manifest,
   _shards,
   _writer,
   _zarr,
 )
 from ucp_jax.tree import _device_arrays, _devices, _pending, _save, _unchanged
+from ucp_jax.tree._options import SaveOptions
 from ucp_jax.tree._pending import SaveHandle as SaveHandle
 
 
@@ -37,33 +37,16 @@ from ucp_jax.tree._pending import SaveHandle as SaveHandle
 class Job:
   """A planned save whose data is in host memory: `run` writes and commits it."""
 
-  target: _location.Location
-  entries: list[_writer.Entry]
-  manifest: _manifest.Manifest
-  sync: _multihost.Sync
-  overwrite: bool
-  compression: str | None
-  max_host_bytes: int
-  durable: bool = True
-  base: _checkpoint.Checkpoint | None = None
-  hashed: bool = False
+  planned: _save.Planned  # without its leaves: the device arrays are not kept alive
+  options: SaveOptions
   arrays: dict[str, weakref.ref] = dataclasses.field(default_factory=dict)  # for `_unchanged`
-  pool_levels: int = 0
+
+  @property
+  def target(self) -> _location.Location:
+    return self.planned.target
 
   def run(self) -> str:
-    token = _save.write(
-      self.target,
-      self.entries,
-      self.manifest,
-      self.sync,
-      overwrite=self.overwrite,
-      compression=self.compression,
-      max_host_bytes=self.max_host_bytes,
-      durable=self.durable,
-      base=self.base,
-      hashed=self.hashed,
-      pool_levels=self.pool_levels,
-    )
+    token = _save.write(self.planned, self.options)
     _unchanged.remember(token, self.arrays)
     return str(self.target)
 
@@ -135,24 +118,23 @@ def save_async(
       `SaveHandle.result`, or else from the next `save`, `save_async` or
       `wait_until_finished`.
   """
+  options = SaveOptions(
+    step=step,
+    metadata=metadata,
+    overwrite=overwrite,
+    compression=compression,
+    max_host_bytes=max_host_bytes,
+    chunk_bytes=chunk_bytes,
+    bundle_bytes=bundle_bytes,
+    durable=durable,
+    schema=schema,
+    source=source,
+    base=base,
+    unchanged=unchanged,
+  )
   turn = _pending.claim()  # waits for the save_async before this one (any thread's) ...
   try:  # ... and raises its error; the turn passes to the background write, or back
-    job = snapshot(
-      path,
-      tree,
-      overwrite=overwrite,
-      compression=compression,
-      max_host_bytes=max_host_bytes,
-      durable=durable,
-      step=step,
-      metadata=metadata,
-      chunk_bytes=chunk_bytes,
-      bundle_bytes=bundle_bytes,
-      schema=schema,
-      source=source,
-      base=base,
-      unchanged=unchanged,
-    )
+    job = snapshot(path, tree, options)
     handle = SaveHandle(str(job.target))
     _pending.start(turn, handle, job.run, name=f"ucp_jax.save_async {path}")
   finally:
@@ -160,56 +142,12 @@ def save_async(
   return handle
 
 
-def snapshot(
-  path: str | os.PathLike,
-  tree: Any,
-  *,
-  overwrite: bool,
-  compression: str | None,
-  max_host_bytes: int,
-  durable: bool = True,
-  base: str | os.PathLike | _checkpoint.Checkpoint | None = None,
-  unchanged: _unchanged.Unchanged = "identity",
-  pool_levels: int | None = None,
-  **options,
-) -> Job:
+def snapshot(path: str | os.PathLike, tree: Any, options: SaveOptions) -> Job:
   """Plans a save with the other processes and copies this process's shards to host memory
-  (except those of arrays unchanged since `base`, whose files the save takes)."""
-  _zarr.check_compression(compression)
-  _unchanged.check_mode(unchanged)
-  target = _location.resolve(path)
-  sync = _multihost.Sync(str(target))
-  flat: dict[str, Any] = {}
-  found: dict[str, Any] = {}
-
-  def plan() -> tuple[list[_writer.Entry], _manifest.Manifest]:
-    entries, manifest = _save.plan_marked(
-      tree, flat, found, target, base, pool_levels, unchanged, compression, options
-    )
-    if found["base"] is None:  # nothing to reuse: copy every shard now
-      return _host_copies(entries), manifest
-    return entries, manifest
-
-  # Agreed like `save`'s planning, so a leaf rejected (or a copy failed) on one process stops all.
-  entries, manifest = _writer.together(sync, target, "checking the tree", plan)
-  base_ckpt, levels = found["base"], found["levels"]
-  if base_ckpt is not None:  # copies only of what the processes agree to write
-    entries = _unchanged.agree(sync, entries)
-    entries = _writer.together(sync, target, "copying the state", _host_copies, entries)
-  return Job(
-    target,
-    entries,
-    manifest,
-    sync,
-    overwrite,
-    compression,
-    max_host_bytes,
-    durable,
-    base_ckpt,
-    unchanged == "sha256",
-    _unchanged.identities(flat),
-    levels,
-  )
+  (except those of arrays unchanged since the base, whose files the save takes)."""
+  planned = _save.plan(path, tree, options, copies=_host_copies)
+  arrays = _unchanged.identities(planned.leaves)
+  return Job(dataclasses.replace(planned, leaves={}), options, arrays)
 
 
 def _host_copies(entries: list[_writer.Entry]) -> list[_writer.Entry]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, Literal
 
@@ -23,10 +24,10 @@ from ucp_jax.store import (
 from ucp_jax.store._writer import Entry
 from ucp_jax.store._writer import Writer as Writer
 from ucp_jax.store._writer import together as _together
-from ucp_jax.tree import _device_arrays, _pending, _tree, _unchanged
+from ucp_jax.tree import _device_arrays, _options, _pending, _tree, _unchanged
+from ucp_jax.tree._options import SaveOptions
 
-DEFAULT_HOST_BYTES = 1 << 30
-"""Default bound on host memory held by array data in flight during a save or restore."""
+DEFAULT_HOST_BYTES = _options.DEFAULT_HOST_BYTES
 
 PY_SCALARS = {bool: ("bool", np.bool_), int: ("int", np.int64), float: ("float", np.float64)}
 PY_SCALARS[complex] = ("complex", np.complex128)
@@ -113,9 +114,7 @@ def save(
       is written.
   """
 
-  return run(
-    path,
-    tree,
+  options = SaveOptions(
     step=step,
     metadata=metadata,
     overwrite=overwrite,
@@ -129,77 +128,77 @@ def save(
     base=base,
     unchanged=unchanged,
   )
+  return run(path, tree, options)
 
 
-def plan_marked(tree, flat, found, target, base, pool_levels, unchanged, compression, options):
-  """`prepare`'s entries and manifest, the entries unchanged since `base` marked for reuse;
-  the base opened (`found["base"]`, None without one) and the pool's levels (`found["levels"]`)
-  are kept for the write."""
-  local = target.local_dir is not None
-  bundle_bytes = _bundle.limit_for(local, options.get("bundle_bytes", _bundle.AUTO))
-  entries, manifest = prepare(tree, leaves=flat, **{**options, "bundle_bytes": bundle_bytes})
-  base_ckpt = found["base"] = None if base is None else _unchanged.open_base(base)
-  levels = found["levels"] = _pool.levels_for(target, base_ckpt, pool_levels)
-  marked = _unchanged.mark(
-    entries,
-    flat,
-    base_ckpt,
-    target,
-    unchanged=unchanged,
-    compression=compression,
-    pool_levels=levels,
-  )
-  return marked, manifest
+@dataclasses.dataclass(frozen=True)
+class Planned:
+  """A save planned with the other processes: what each array is, which the base gives."""
+
+  target: _location.Location
+  sync: _multihost.Sync
+  entries: list[Entry]
+  manifest: _manifest.Manifest
+  base: _checkpoint.Checkpoint | None  # opened
+  pool_levels: int
+  leaves: dict[str, Any]  # the flattened tree, by key
 
 
-def run(
-  path: str | os.PathLike,
-  tree: Any,
-  *,
-  overwrite: bool,
-  compression: str | None,
-  max_host_bytes: int,
-  durable: bool,
-  base: str | os.PathLike | _checkpoint.Checkpoint | None,
-  unchanged: _unchanged.Unchanged,
-  pool_levels: int | None = None,
-  **options,
-) -> str:
-  """`save`, where `pool_levels` may place the pool of an object-store save (the Orbax
-  handler's: the manager's folder); None: beside the checkpoint, or the base's pool."""
-  _pending.wait_until_finished()  # the async save before this one, and its error
+def plan(path: str | os.PathLike, tree: Any, options: SaveOptions, *, copies=None) -> Planned:
+  """Plans a save of `tree` to `path` with the other processes (every one calls it): the
+  entries and manifest, the entries unchanged since `options.base` marked for reuse, and
+  agreed. `copies(entries)`, when given, runs in the same agreement on the entries of the
+  arrays to be written (`save_async`'s host copies); a tree (or a base) rejected on one
+  process only stops every process, none left waiting."""
+  options.checked()
   target = _location.resolve(path)
   sync = _multihost.Sync(str(target))
-  _unchanged.check_mode(unchanged)
-  _zarr.check_compression(compression)
-  flat, found = {}, {}
+  leaves: dict[str, Any] = {}
+  found: dict[str, Any] = {}
 
-  def plan() -> tuple[list[Entry], _manifest.Manifest]:
-    return plan_marked(
-      tree, flat, found, target, base, pool_levels, unchanged, compression, options
+  def marked() -> tuple[list[Entry], _manifest.Manifest]:
+    bundle_bytes = options.bundle_limit(target.local_dir is not None)
+    entries, manifest = prepare(
+      tree,
+      step=options.step,
+      metadata=options.metadata,
+      chunk_bytes=options.chunk_bytes,
+      bundle_bytes=bundle_bytes,
+      schema=options.schema,
+      source=options.source,
+      leaves=leaves,
     )
+    base = found["base"] = None if options.base is None else _unchanged.open_base(options.base)
+    levels = found["levels"] = _pool.levels_for(target, base, options.pool_levels)
+    entries = _unchanged.mark(
+      entries,
+      leaves,
+      base,
+      target,
+      unchanged=options.unchanged,
+      compression=options.compression,
+      pool_levels=levels,
+    )
+    if base is None and copies is not None:  # nothing to agree on: copy every shard now
+      entries = copies(entries)
+    return entries, manifest
 
-  # A tree (or a base) rejected on one process only must stop every process, not leave
-  # them waiting.
-  entries, manifest = _together(sync, target, "checking the tree", plan)
-  base_ckpt, levels = found["base"], found["levels"]
-  if base_ckpt is not None:
+  entries, manifest = _together(sync, target, "checking the tree", marked)
+  base = found["base"]
+  if base is not None:  # copies only of what the processes agree to write
     entries = _unchanged.agree(sync, entries)
-  token = write(
-    target,
-    entries,
-    manifest,
-    sync,
-    overwrite=overwrite,
-    compression=compression,
-    max_host_bytes=max_host_bytes,
-    durable=durable,
-    base=base_ckpt,
-    hashed=unchanged == "sha256",
-    pool_levels=levels,
-  )
-  _unchanged.remember(token, _unchanged.identities(flat))
-  return str(target)
+    if copies is not None:
+      entries = _together(sync, target, "copying the state", copies, entries)
+  return Planned(target, sync, entries, manifest, base, found["levels"], leaves)
+
+
+def run(path: str | os.PathLike, tree: Any, options: SaveOptions) -> str:
+  """`save` with its options as one value."""
+  _pending.wait_until_finished()  # the async save before this one, and its error
+  planned = plan(path, tree, options)
+  token = write(planned, options)
+  _unchanged.remember(token, _unchanged.identities(planned.leaves))
+  return str(planned.target)
 
 
 def prepare(
@@ -234,38 +233,25 @@ def prepare(
   return entries, manifest
 
 
-def write(
-  target: _location.Location,
-  entries: list[Entry],
-  manifest: _manifest.Manifest,
-  sync: _multihost.Sync,
-  *,
-  overwrite: bool,
-  compression: str | None,
-  max_host_bytes: int,
-  durable: bool = True,
-  base: _checkpoint.Checkpoint | None = None,
-  hashed: bool = False,
-  pool_levels: int = 0,
-) -> str:
-  """Creates, writes and commits the checkpoint `prepare` planned, with the other processes.
+def write(planned: Planned, options: SaveOptions) -> str:
+  """Creates, writes and commits the checkpoint `plan` planned, with the other processes.
 
-  Entries marked `reuse` take their files from `base`; with `pool_levels`, the arrays go
-  to the pool that many folders up (object stores). Returns the save's token.
+  Entries marked `reuse` take their files from the base; on an object store the arrays go
+  to the pool `planned.pool_levels` folders up. Returns the save's token.
   """
   with Writer(
-    target,
-    overwrite=overwrite,
-    sync=sync,
-    durable=durable,
-    base=base,
-    hashed=hashed,
-    pool_levels=pool_levels,
+    planned.target,
+    overwrite=options.overwrite,
+    sync=planned.sync,
+    durable=options.durable,
+    base=planned.base,
+    hashed=options.hashed,
+    pool_levels=planned.pool_levels,
   ) as writer:
-    entries = writer.confirm_reuse(entries)
-    writer.create({e.key: e.info for e in entries}, compression=compression)
-    writer.write_entries(entries, max_host_bytes)
-    writer.commit(manifest)
+    entries = writer.confirm_reuse(planned.entries)
+    writer.create({e.key: e.info for e in entries}, compression=options.compression)
+    writer.write_entries(entries, options.max_host_bytes)
+    writer.commit(planned.manifest)
   return f"{writer.token:016x}"
 
 
