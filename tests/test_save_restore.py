@@ -494,3 +494,23 @@ def test_save_bounds_host_bytes_in_flight(tmp_path, monkeypatch):
   assert 256 << 10 < peak[0] <= 600 << 10  # two leaves at a time, never three
   restored = ucp_jax.restore(tmp_path / "c")
   assert all((restored[k] == v).all() for k, v in tree.items())
+
+
+def test_every_save_keyword_is_a_save_option():
+  """`save` and `save_async` pass their keywords down as one `SaveOptions`: none left out."""
+  import dataclasses
+  import inspect
+
+  from ucp_jax.orbax import UcpSave
+  from ucp_jax.tree._options import SaveOptions
+
+  fields = {f.name for f in dataclasses.fields(SaveOptions)} - {"pool_levels"}
+  for function in (ucp_jax.save, ucp_jax.save_async):
+    keywords = {
+      name
+      for name, p in inspect.signature(function).parameters.items()
+      if p.kind is inspect.Parameter.KEYWORD_ONLY
+    }
+    assert keywords == fields, function.__name__
+  handler = {f.name for f in dataclasses.fields(UcpSave)} - {"item", "incremental"}
+  assert handler <= fields  # overwrite, source and base are the handler's to decide

@@ -118,20 +118,7 @@ def save_async(
       `SaveHandle.result`, or else from the next `save`, `save_async` or
       `wait_until_finished`.
   """
-  options = SaveOptions(
-    step=step,
-    metadata=metadata,
-    overwrite=overwrite,
-    compression=compression,
-    max_host_bytes=max_host_bytes,
-    chunk_bytes=chunk_bytes,
-    bundle_bytes=bundle_bytes,
-    durable=durable,
-    schema=schema,
-    source=source,
-    base=base,
-    unchanged=unchanged,
-  )
+  options = SaveOptions.of(locals())  # every keyword above
   turn = _pending.claim()  # waits for the save_async before this one (any thread's) ...
   try:  # ... and raises its error; the turn passes to the background write, or back
     job = snapshot(path, tree, options)

@@ -39,6 +39,12 @@ class SaveOptions:
   unchanged: _unchanged.Unchanged = "identity"
   pool_levels: int | None = None
 
+  @classmethod
+  def of(cls, keywords: dict) -> SaveOptions:
+    """The options among `keywords` (a public function's `locals()`: its keyword arguments,
+    named as here)."""
+    return cls(**{f.name: keywords[f.name] for f in dataclasses.fields(cls) if f.name in keywords})
+
   def checked(self) -> SaveOptions:
     """These options, once each is known valid (raises `InvalidArgumentError` otherwise)."""
     _zarr.check_compression(self.compression)

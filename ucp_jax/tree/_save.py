@@ -114,20 +114,7 @@ def save(
       is written.
   """
 
-  options = SaveOptions(
-    step=step,
-    metadata=metadata,
-    overwrite=overwrite,
-    compression=compression,
-    max_host_bytes=max_host_bytes,
-    chunk_bytes=chunk_bytes,
-    bundle_bytes=bundle_bytes,
-    durable=durable,
-    schema=schema,
-    source=source,
-    base=base,
-    unchanged=unchanged,
-  )
+  options = SaveOptions.of(locals())  # every keyword above
   return run(path, tree, options)
 
 
