@@ -69,8 +69,8 @@ def test_describes_fsdp2_model_and_adamw_state():
   assert fc.value.shape == (64, 16) and sorted(fc.slots) == ["exp_avg", "exp_avg_sq"]
   assert fc.group == 0 and by_name["h.0.mlp.fc.bias"].group == 1
   assert fc.shard_shape == (32, 16)  # FSDP2's dimension-0 shard on 2 ranks
-  groups = plan.optimizer["groups"]
-  assert plan.optimizer["type"] == "adamw" and plan.optimizer["step"] == 3
+  groups = [g.values for g in plan.optimizer.groups]
+  assert plan.optimizer.type == "adamw" and plan.optimizer.step == 3
   assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
   assert groups[0]["betas"] == [0.9, 0.95] and groups[0]["step"] == 3
   assert plan.extra["source_layout"]["files"] == ["__0_0.distcp", "__1_0.distcp"]
@@ -310,7 +310,7 @@ def test_torchtitans_flattened_layout():
   """Model keys and `flatten_optimizer_state_dict=True` optimizer keys at the top level."""
   plan = _source.describe(str(FLAT))
   by_name = {p.name: p for p in plan.params}
-  assert [g["weight_decay"] for g in plan.optimizer["groups"]] == [0.1, 0.0]
+  assert [g.values["weight_decay"] for g in plan.optimizer.groups] == [0.1, 0.0]
   assert (by_name["wte.weight"].group, by_name["ln_f.bias"].group) == (0, 1)
   assert by_name["lm_head.weight"].tied_to == "wte.weight" and plan.step == 2
   state = torch_state(FLAT)

@@ -394,7 +394,13 @@ def test_schema_of_every_form(tmp_path, name, framework):
   schema = ucp_jax.open(RUNS[framework](FORMS[name], None).save(tmp_path / "c")).manifest.schema
   params = schema["params"]
   assert set(params["fc1/kernel"]["slots"]) == slots
-  assert params["gate"] == {"value": params["gate"]["value"], "slots": {}, "frozen": True}
+  assert params["gate"] == {
+    "value": params["gate"]["value"],
+    "slots": {},
+    "group": None,
+    "frozen": True,
+    "tied_to": None,
+  }
   assert not any(p["frozen"] for k, p in params.items() if k != "gate")
   assert len(schema["optimizer"]["groups"]) == groups and schema["optimizer"]["step"] == 0
   assert {p["group"] for k, p in params.items() if k != "gate"} == set(range(groups))

@@ -92,6 +92,7 @@ def test_keys_kinds_and_the_training_schema(tmp_path, state):
     },
     "group": 0,
     "frozen": False,
+    "tied_to": None,
   }
   assert schema["buffers"] == {"bn/mean": "model/bn/mean", "bn/var": "model/bn/var"}
   assert schema["optimizer"] == {"type": "adam", "step": 2, "groups": [{}]}

@@ -263,9 +263,9 @@ def _params_prefix(ckpt: _checkpoint.Checkpoint) -> str:
   """Where a checkpoint's parameters live: the prefix its schema's values share (`model` for
   an NNX training state, `params` for Linen's and converted ones), else `params` if there
   is such a subtree, else the root."""
-  params = (ckpt.manifest.schema or {}).get("params")
-  values = [p.get("value") for p in params.values() if isinstance(p, dict)] if params else []
-  heads = {v.split("/", 1)[0] for v in values if isinstance(v, str) and "/" in v}
+  schema = ckpt.manifest.typed_schema
+  values = [p.value for p in schema.params.values()] if schema is not None else []
+  heads = {v.split("/", 1)[0] for v in values if v is not None and "/" in v}
   if len(heads) == 1:
     return heads.pop()
   return "params" if any(k.startswith("params/") for k in ckpt.keys()) else ""

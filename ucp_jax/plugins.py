@@ -21,19 +21,27 @@ from ucp_jax.sinks._registry import register as register_sink
 from ucp_jax.sinks._report import ExportReport as ExportReport
 from ucp_jax.sources._registry import Source as Source
 from ucp_jax.sources._registry import register as register_source
-from ucp_jax.sources._source_plan import Param as Param
 from ucp_jax.sources._source_plan import Plan as Plan
+from ucp_jax.sources._source_plan import SourceParam as SourceParam
 from ucp_jax.sources._source_plan import Tensor as Tensor
 from ucp_jax.sources._source_plan import lazy_tensor as lazy_tensor
 from ucp_jax.store._checkpoint import Checkpoint as Checkpoint
 from ucp_jax.store._manifest import ArrayInfo as ArrayInfo
+from ucp_jax.store._schema import GroupEntry as GroupEntry
+from ucp_jax.store._schema import Optimizer as Optimizer
+from ucp_jax.store._schema import ParamEntry as ParamEntry
+from ucp_jax.store._schema import Schema as Schema
 
 __all__ = [
   "ArrayInfo",
   "Checkpoint",
   "ExportReport",
-  "Param",
+  "GroupEntry",
+  "Optimizer",
+  "ParamEntry",
+  "SourceParam",
   "Plan",
+  "Schema",
   "Sink",
   "Source",
   "Tensor",

@@ -16,6 +16,7 @@ from ucp_jax import _rule_specs
 from ucp_jax.base import _errors
 from ucp_jax.cli._progress import Reporter, human
 from ucp_jax.store import _checkpoint, _reader
+from ucp_jax.store._schema import Schema
 
 COMMANDS = {}
 """Subcommand name -> its function (filled by `@_command`)."""
@@ -79,7 +80,7 @@ def cmd_inspect(args, out: Console, err: Console) -> int:
   table.add_section()
   table.add_row(f"{len(m.arrays)} arrays", "", "", human(m.nbytes))
   out.print(table)
-  for line in _schema_lines(m.schema):
+  for line in _schema_lines(m.typed_schema):
     out.print(line, markup=False)
   framework = m.source.get("framework", "?")
   if not ckpt.checksummed:
@@ -89,26 +90,22 @@ def cmd_inspect(args, out: Console, err: Console) -> int:
   return 0
 
 
-def _schema_lines(schema: dict | None) -> list[str]:
+def _schema_lines(schema: Schema | None) -> list[str]:
   """What a parameter schema says, in a few lines: the parameters, the optimizer, its groups."""
-  if not isinstance(schema, dict) or not isinstance(schema.get("params"), dict):
+  if schema is None:
     return []
-  params = [p for p in schema["params"].values() if isinstance(p, dict)]
-  frozen = sum(1 for p in params if p.get("frozen"))
-  optimizer = schema.get("optimizer") if isinstance(schema.get("optimizer"), dict) else {}
+  params = list(schema.params.values())
+  frozen = sum(1 for p in params if p.frozen)
+  optimizer = schema.optimizer
   state = (
-    f"optimizer {optimizer['type']}, step {optimizer.get('step')}"
-    if optimizer.get("type")
+    f"optimizer {optimizer.type}, step {optimizer.step}"
+    if optimizer is not None
     else "no optimizer state (weights alone)"
   )
-  lines = [
-    f"parameters: {len(params)} ({frozen} frozen), named the {schema.get('naming', 'torch')} "
-    f"way; {state}"
-  ]
-  groups = optimizer.get("groups") if isinstance(optimizer.get("groups"), list) else []
-  for i, group in enumerate(groups):
-    members = sum(1 for p in params if p.get("group") == i and not p.get("frozen"))
-    shown = ", ".join(f"{k} {v}" for k, v in group.items()) if isinstance(group, dict) else group
+  lines = [f"parameters: {len(params)} ({frozen} frozen), named the {schema.naming} way; {state}"]
+  for i, group in enumerate(() if optimizer is None else optimizer.groups):
+    members = sum(1 for p in params if p.group == i and not p.frozen)
+    shown = ", ".join(f"{k} {v}" for k, v in group.values.items())
     lines.append(f"  group {i}: {members} parameters; {shown or 'no hyperparameters recorded'}")
   return lines
 

@@ -205,8 +205,9 @@ class UcpSave(ocp.args.CheckpointArgs):
     from ucp_jax.integrations import _train_state
 
     item, schema = _train_state.with_schema(model, optimizer, hyperparams)
-    step = schema["optimizer"]["step"] if step is None else step
-    return cls(item, step=step, schema=schema, **options)
+    if step is None and schema.optimizer is not None:
+      step = schema.optimizer.step
+    return cls(item, step=step, schema=schema.to_json(), **options)
 
 
 @ocp.args.register_with_handler(UcpCheckpointHandler, for_restore=True)

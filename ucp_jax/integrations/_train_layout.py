@@ -17,6 +17,7 @@ import numpy as np
 
 from ucp_jax.base import _errors
 from ucp_jax.integrations import _optax
+from ucp_jax.store import _schema
 from ucp_jax.tree import _tree
 
 
@@ -108,7 +109,7 @@ def layout(model: Any, optimizer: Any) -> Layout:
   )
 
 
-def schema(flat: dict[str, Any], layout: Layout, hyperparams: Any) -> dict:
+def schema(flat: dict[str, Any], layout: Layout, hyperparams: Any) -> _schema.Schema:
   """The universal schema of a save of `flat` (the layout's leaves, placeholders left out)."""
   slots = layout.slots()
   groups = [_optax.group_hyperparams(g, flat) for g in slots.groups] or [{}]
@@ -120,32 +121,29 @@ def schema(flat: dict[str, Any], layout: Layout, hyperparams: Any) -> dict:
       f"hyperparams for {len(given)} groups, the optimizer has {len(groups)} parameter groups"
     )
   groups = [{**found, **extra} for found, extra in zip(groups, given)]
-  params = {}
   frozen = _frozen(layout, slots)
-  for key in layout.param_keys:
-    entry = {"value": f"{layout.params_prefix}/{key}", "slots": slots.slots.get(key, {})}
-    entry["frozen"] = key in frozen
-    if key not in frozen:
-      entry["group"] = slots.group_of.get(key, 0)
-    params[key] = entry
+  prefix = layout.params_prefix
+  params = {
+    key: _schema.ParamEntry(
+      value=f"{prefix}/{key}",
+      slots=slots.slots.get(key, {}),
+      group=None if key in frozen else slots.group_of.get(key, 0),
+      frozen=key in frozen,
+    )
+    for key in layout.param_keys
+  }
   step = _optax.step_of(slots, flat)
   if step is None:  # no state counts steps (sgd): the training loop's counter
     step = next((int(np.asarray(flat[k])) for k in layout.step_keys if k in flat), None)
-  optimizer = {"type": _kind(layout, slots, groups), "step": step, "groups": groups}
-  if slots.states:
-    optimizer["states"] = slots.states
-  jax_only = _jax_only(flat, layout, slots)
-  if jax_only:
-    optimizer["jax_only"] = jax_only
-  prefix = layout.params_prefix
-  return {
-    "version": 1,
-    "naming": "flax",
-    "params": params,
-    "buffers": {b: f"{prefix}/{b}" for b in layout.buffer_keys},
-    "optimizer": optimizer,
-    "extra": {},
-  }
+  optimizer = _schema.Optimizer(
+    type=_kind(layout, slots, groups),
+    step=step,
+    groups=tuple(map(_schema.GroupEntry, groups)),
+    states=slots.states,
+    jax_only=tuple(_jax_only(flat, layout, slots)),
+  )
+  buffers = {b: f"{prefix}/{b}" for b in layout.buffer_keys}
+  return _schema.Schema(params, buffers, optimizer, naming="flax")
 
 
 def _frozen(layout: Layout, slots: _optax.SlotMap) -> set[str]:

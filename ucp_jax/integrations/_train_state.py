@@ -12,6 +12,7 @@ are neither saved nor restored, they stay where optax put them.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -19,7 +20,7 @@ import numpy as np
 
 from ucp_jax.base import _errors
 from ucp_jax.integrations import _optax, _train_layout
-from ucp_jax.store import _keypath, _reader
+from ucp_jax.store import _keypath, _reader, _schema
 from ucp_jax.tree import _restore, _save, _tree
 
 
@@ -66,12 +67,12 @@ def save_train_state(
       store, an earlier `save_async`'s error).
   """
   tree, schema = with_schema(model, optimizer, hyperparams)
-  if step is None:
-    step = schema["optimizer"]["step"]
+  if step is None and schema.optimizer is not None:
+    step = schema.optimizer.step
   return _save.save(path, tree, step=step, schema=schema, **save_options)
 
 
-def with_schema(model: Any, optimizer: Any, hyperparams: Any) -> tuple[dict, dict]:
+def with_schema(model: Any, optimizer: Any, hyperparams: Any) -> tuple[dict, _schema.Schema]:
   """The tree `save_train_state` saves (Optax's placeholders left out) and its schema."""
   layout = _train_layout.layout(model, optimizer)
   flat, _ = _tree.flatten(layout.tree)
@@ -151,9 +152,9 @@ def restore_train_state(
   target = {k: v for k, v in flat.items() if k not in holes}
   target = _train_layout.concrete_meshes(target, mesh)
   slots = layout.slots()
-  schema = ckpt.manifest.schema or {}
+  schema = ckpt.manifest.typed_schema
   options = dict(cast=cast, max_host_bytes=max_host_bytes)
-  naming = schema.get("naming", "torch") if schema else "flax"  # no schema: a plain JAX save
+  naming = schema.naming if schema is not None else "flax"  # no schema: a plain JAX save
   target = _place_stragglers(target, layout, slots)
   kept = {}
   if params_only:
@@ -206,10 +207,10 @@ def _check_layouts(ckpt, layout, target: dict[str, Any]) -> None:
   )
 
 
-def _check_states(ckpt, schema: dict, slots: _optax.SlotMap) -> None:
+def _check_states(ckpt, schema: _schema.Schema | None, slots: _optax.SlotMap) -> None:
   """Refuses an optimizer whose Optax states are not those the checkpoint recorded."""
-  saved = (schema.get("optimizer") or {}).get("states")
-  problems = _optax.state_problems(saved, slots) if isinstance(saved, dict) else []
+  optimizer = None if schema is None else schema.optimizer
+  problems = [] if optimizer is None else _optax.state_problems(dict(optimizer.states), slots)
   if problems:
     raise _errors.MappingError(
       f"{ckpt.location}: the optimizer is not the one this checkpoint was saved with; build "
@@ -228,10 +229,11 @@ class _Converted:
 
   def __init__(self, ckpt, target: dict[str, Any], layout, slots: _optax.SlotMap, rules: Any):
     self.ckpt, self.target, self.layout, self.slots, self.rules = ckpt, target, layout, slots, rules
-    self.schema = ckpt.manifest.schema or {}
+    self.schema = ckpt.manifest.typed_schema or _schema.Schema(params={})
+    self.optimizer = self.schema.optimizer or _schema.Optimizer()
     if rules is None:
       raise _errors.MappingError(
-        f"{ckpt.location}: parameters are named the {self.schema.get('naming')} way; pass "
+        f"{ckpt.location}: parameters are named the {self.schema.naming} way; pass "
         "rules=... (e.g. ucp_jax.rules.gpt2(num_heads=...)) to map them onto the model"
       )
     self.problems: list[str] = []
@@ -240,7 +242,7 @@ class _Converted:
     wanted, views = self._wanted()
     members = self._members()
     self.problems += self._jax_only_problems()
-    self.problems += _group_problems(self.schema, self.slots, members)
+    self.problems += _group_problems(self.optimizer, self.slots, members)
     values = self._set(members)
     rest = self._rest(wanted, values)
     if self.problems:
@@ -264,7 +266,7 @@ class _Converted:
     for param, by_slot in self.slots.slots.items():
       for slot, key in by_slot.items():
         wanted.setdefault(slot, {})[param] = key
-    buffers = rules.map_names(list(self.schema.get("buffers") or {}), partial=True)
+    buffers = rules.map_names(list(self.schema.buffers), partial=True)
     mapped = [k for k in layout.buffer_keys if k in buffers]
     if mapped:
       wanted["buffers"] = {k: f"{prefix}/{k}" for k in mapped}
@@ -295,16 +297,15 @@ class _Converted:
     return wanted, views
 
   def _frozen_in_checkpoint(self) -> set[str]:
-    entries = self.schema.get("params") or {}
-    names = [n for n, e in entries.items() if isinstance(e, dict) and e.get("frozen")]
+    names = [n for n, e in self.schema.params.items() if e.frozen]
     return set(self.rules.map_names(names, partial=True))
 
   def _members(self) -> list[dict[int, list[str]]]:
     """Per Optax group: the checkpoint groups of its parameters, with those parameters."""
-    entries = self.schema.get("params") or {}
-    named = [n for n, e in entries.items() if isinstance(e, dict) and e.get("group") is not None]
+    entries = self.schema.params
+    named = [n for n, e in entries.items() if e.group is not None]
     source = {  # model key -> checkpoint groups of the names mapped onto it
-      key: {entries[n]["group"] for n in names}
+      key: {entries[n].group for n in names}
       for key, names in self.rules.map_names(named, partial=True).items()
     }
     members: list[dict[int, list[str]]] = [{} for _ in self.slots.groups]
@@ -314,7 +315,7 @@ class _Converted:
     return members
 
   def _jax_only_problems(self) -> list[str]:
-    kind = (self.schema.get("optimizer") or {}).get("type", "adamw")
+    kind = self.optimizer.type
     return [
       f"`{j.prefix}` (optax {j.form}: {', '.join(j.fields) or 'its state'} of {j.params} "
       f"parameter(s)): a converted checkpoint holds no such state (DeepSpeed has no names for "
@@ -325,8 +326,7 @@ class _Converted:
   def _set(self, members: list[dict[int, list[str]]]) -> dict[str, Any]:
     """Leaves set from the schema: step counters, hyperparameters, MultiSteps accumulation."""
     target, values = self.target, {}
-    optimizer = self.schema.get("optimizer") or {}
-    step = optimizer.get("step")
+    step = self.optimizer.step
     if step is not None:
       for key in [*self.slots.counters, *self.layout.step_keys]:
         if key in target:
@@ -335,11 +335,9 @@ class _Converted:
       for key in [acc.mini_step_key, *acc.acc.values()]:
         if key in target:
           values[key] = _like(target[key], 0)
-    groups = optimizer.get("groups") or []
+    groups = [g.values for g in self.optimizer.groups]
     for group, held in zip(self.slots.groups, members):
-      hypers = [
-        groups[g] for g in sorted(held, key=str) if isinstance(g, int) and 0 <= g < len(groups)
-      ]
+      hypers = [groups[g] for g in sorted(held) if 0 <= g < len(groups)]
       common = {k: v for k, v in (hypers or [{}])[0].items() if all(h.get(k) == v for h in hypers)}
       for key, value in _optax.hyperparam_keys(group, common, set(target)).items():
         values[key] = _like(target[key], value)
@@ -367,7 +365,7 @@ class _Converted:
 
 
 def _group_problems(
-  schema: dict, slots: _optax.SlotMap, members: list[dict[int, list[str]]]
+  optimizer: _schema.Optimizer, slots: _optax.SlotMap, members: list[dict[int, list[str]]]
 ) -> list[str]:
   """Several Optax groups must hold the checkpoint's groups one each, matched by membership.
 
@@ -376,7 +374,7 @@ def _group_problems(
   would train some parameters with another group's hyperparameters. One Optax state for
   every parameter (a masked `optax.adamw`) may hold several checkpoint groups.
   """
-  groups = (schema.get("optimizer") or {}).get("groups") or []
+  groups = [g.values for g in optimizer.groups]
   if len(slots.groups) < 2:
     return []
   if len(slots.groups) != len(groups):
@@ -403,9 +401,9 @@ def _group_problems(
   return problems
 
 
-def _group_name(groups: list[dict], group: int) -> str:
+def _group_name(groups: list[Mapping[str, Any]], group: int) -> str:
   """`checkpoint group 1 (lr 0.005, weight_decay 0.0)`."""
-  hyper = groups[group] if isinstance(group, int) and 0 <= group < len(groups) else {}
+  hyper = groups[group] if 0 <= group < len(groups) else {}
   shown = ", ".join(f"{k} {hyper[k]}" for k in ("lr", "weight_decay") if k in hyper)
   return f"checkpoint group {group}" + (f" ({shown})" if shown else "")
 

@@ -61,13 +61,12 @@ def tp_shardings(
     `NamedSharding` at every leaf; pass it to `ucp_jax.restore`.
   """
   ckpt = ckpt if isinstance(ckpt, _checkpoint.Checkpoint) else _reader.open(ckpt)
-  schema = ckpt.manifest.schema or {}
+  schema = ckpt.manifest.typed_schema
   specs: dict[str, P] = {}
-  for entry in (schema.get("params") or {}).values():
-    pattern = entry.get("pattern")
-    keys = [entry.get("value"), *(entry.get("slots") or {}).values()]
-    for key in keys:
-      if isinstance(key, str) and key in ckpt and key not in specs:
+  for entry in [] if schema is None else schema.params.values():
+    pattern = None if entry.pattern is None else dict(entry.pattern)
+    for key in [entry.value, *entry.slots.values()]:
+      if key is not None and key in ckpt and key not in specs:
         specs[key] = spec_for(pattern, ckpt[key].shape, mesh, model_axis, expert_axis)
   return _map_tree(ckpt.manifest.tree, lambda key: NamedSharding(mesh, specs.get(key, P())))
 

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from ucp_jax.base import _errors
-from ucp_jax.sinks import _folder, _schema
+from ucp_jax.sinks import _folder, _resolved
 from ucp_jax.sinks._report import ExportReport
 from ucp_jax.store import _checkpoint
 
@@ -81,16 +81,17 @@ def export(
   check_options(dst, overwrite=overwrite, ranks=ranks)
   dst = check_destination(dst, overwrite=overwrite)
   torch = import_torch()
-  schema = ckpt.manifest.schema or {}
-  with_optimizer = bool((schema.get("optimizer") or {}).get("groups"))
-  plan = _schema.plan(ckpt) if with_optimizer else None
-  weights = _schema.weights(ckpt)
+  schema = ckpt.manifest.typed_schema
+  with_optimizer = schema is not None and schema.optimizer is not None and schema.optimizer.groups
+  plan = _resolved.plan(ckpt) if with_optimizer else None
+  weights = _resolved.weights(ckpt)
   entries = _entries(weights, plan)
   total = sum(ckpt[key].nbytes for _, key, _ in entries if key is not None)
   notes = list(plan.not_carried) if plan is not None else []
-  if plan is None and any((e or {}).get("slots") for e in (schema.get("params") or {}).values()):
+  params = {} if schema is None else schema.params
+  if plan is None and any(entry.slots for entry in params.values()):
     notes.append("the schema names optimizer slots but no optimizer groups: weights only")
-  client = (schema.get("extra") or {}).get("client_state")
+  client = None if schema is None else schema.extra.get("client_state")
   if isinstance(client, dict) and client:
     notes.append(
       f"not written: the source's other entries ({', '.join(sorted(map(str, client)))}); "
@@ -161,7 +162,7 @@ def _not_an_export(path: str) -> list[str]:
   return _folder.foreign_entries(path, NAME, "a DCP export", ours=(METADATA,))
 
 
-def _entries(weights: _schema.WeightsPlan, plan: _schema.ExportPlan | None) -> list[tuple]:
+def _entries(weights: _resolved.WeightsPlan, plan: _resolved.ExportPlan | None) -> list[tuple]:
   """(flattened key, checkpoint key or None for an alias, tree path) of every tensor."""
   out = [(f"model.{p.name}", p.value, ("model", p.name)) for p in weights.params]
   out += [(f"model.{alias}", None, ("model", alias)) for alias in weights.tied]
@@ -173,7 +174,7 @@ def _entries(weights: _schema.WeightsPlan, plan: _schema.ExportPlan | None) -> l
   return out
 
 
-def _optimizer_entries(torch, writer: _Writer, plan: _schema.ExportPlan) -> None:
+def _optimizer_entries(torch, writer: _Writer, plan: _resolved.ExportPlan) -> None:
   """Each parameter's step and each group's hyperparameters and names."""
   step = torch.tensor(float(plan.step), dtype=torch.float32)
   for p in plan.trainable:

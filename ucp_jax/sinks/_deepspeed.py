@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 
 from ucp_jax.base import _errors
-from ucp_jax.sinks import _folder, _moe_sink, _schema
+from ucp_jax.sinks import _folder, _moe_sink, _resolved
 from ucp_jax.sinks._report import ExportReport
-from ucp_jax.store import _checkpoint
+from ucp_jax.store import _checkpoint, _schema
 
 DS_VERSION = "0.19.8"
 """The DeepSpeed version whose `load_universal` this layout is written for (and tested with)."""
@@ -71,7 +71,7 @@ def check_destination(dst: str | os.PathLike, *, overwrite: bool, tag: str | Non
   nothing but what an export writes. A DeepSpeed training folder (`latest`, `global_stepN/`
   with rank files) is refused whatever `overwrite` says, and nothing in it is touched.
   """
-  if tag is not None and not _schema.valid_name(tag):
+  if tag is not None and not _resolved.valid_name(tag):
     raise _errors.InvalidArgumentError(f"tag {tag!r}: not usable as a directory name")
   return _folder.check_destination(
     dst, overwrite=overwrite, not_an_export=_not_an_export, what="a DeepSpeed export"
@@ -151,12 +151,12 @@ def export(
   """
   check_options(dst, overwrite=overwrite, zero_stage=zero_stage, tag=tag)
   dst = check_destination(dst, overwrite=overwrite, tag=tag)
-  return write(ckpt, _schema.plan(ckpt), dst, zero_stage=zero_stage, tag=tag, progress=progress)
+  return write(ckpt, _resolved.plan(ckpt), dst, zero_stage=zero_stage, tag=tag, progress=progress)
 
 
 def write(
   ckpt: _checkpoint.Checkpoint,
-  plan: _schema.ExportPlan,
+  plan: _resolved.ExportPlan,
   dst: str,
   *,
   zero_stage: int | None,
@@ -200,8 +200,8 @@ def write(
   )
 
 
-def _stages(plan: _schema.ExportPlan, zero_stage: int | None) -> tuple[int, ...]:
-  adam = all(s in plan.slot_names for s in _schema.ADAM_SLOTS)
+def _stages(plan: _resolved.ExportPlan, zero_stage: int | None) -> tuple[int, ...]:
+  adam = all(s in plan.slot_names for s in _resolved.ADAM_SLOTS)
   if zero_stage == 3 and not adam:
     raise _errors.MappingError(
       f"zero_stage=3: DeepSpeed's ZeRO-3 universal loader reads exactly fp32, exp_avg and "
@@ -218,7 +218,7 @@ def common_hyperparameters(groups: tuple[dict[str, Any], ...]) -> dict[str, Any]
   return {k: v for k, v in first.items() if all(k in g and g[k] == v for g in groups[1:])}
 
 
-def notes(plan: _schema.ExportPlan, stages: tuple[int, ...]) -> list[str]:
+def notes(plan: _resolved.ExportPlan, stages: tuple[int, ...]) -> list[str]:
   """What DeepSpeed 0.19.8's universal `load_checkpoint` does not restore from these files."""
   out = []
   extras = [*(p.name for p in plan.frozen), *(b.name for b in plan.buffers)]
@@ -277,9 +277,10 @@ class _Writer:
     from ucp_jax.sources.deepspeed import universal_meta
 
     fp32 = self._fp32
-    entries = (self.ckpt.manifest.schema or {}).get("params") or {}
+    schema = self.ckpt.manifest.typed_schema
+    entries = {} if schema is None else schema.params
     self.expert_names: dict[str, list[str]] = {}
-    patterns = {p.name: (entries.get(p.name) or {}).get("pattern") for p in self.plan.trainable}
+    patterns = {p.name: _pattern(entries.get(p.name)) for p in self.plan.trainable}
     self.groups, self.group_of = _moe_sink.deepspeed_groups(self.plan, patterns)
     for p in self.plan.trainable:
       before = self.nbytes
@@ -412,3 +413,8 @@ def tensor(torch, array: np.ndarray):
   if raw is not None:
     return torch.from_numpy(array.view(raw)).view(getattr(torch, array.dtype.name))
   return torch.from_numpy(array)
+
+
+def _pattern(entry: _schema.ParamEntry | None) -> dict | None:
+  """How a TP/PP/EP source split a parameter (its schema entry's `pattern`), if it did."""
+  return None if entry is None or entry.pattern is None else dict(entry.pattern)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ucp_jax.base import _errors
-from ucp_jax.sinks import _flax_names, _registry, _schema
+from ucp_jax.sinks import _flax_names, _registry, _resolved
 from ucp_jax.sinks._report import ExportReport
 from ucp_jax.store import _checkpoint, _reader
 
@@ -75,15 +75,16 @@ def export(
   _registry.check_option_names(sink, options)
   sink.check_options(dst, overwrite=overwrite, **options)  # before anything is read
   opened = ckpt if isinstance(ckpt, _checkpoint.Checkpoint) else _reader.open(ckpt)
-  opened, inferred = _schema.inferred(opened)
-  naming = (opened.manifest.schema or {}).get("naming", "torch")
+  opened, inferred = _resolved.inferred(opened)
+  schema = opened.manifest.typed_schema
+  naming = "torch" if schema is None else schema.naming
   if rules is not None and not sink.TORCH_NAMES:  # a sink of JAX keys (Orbax)
     raise _errors.InvalidArgumentError(
       f"format {format!r} writes the checkpoint's own keys; rules=... map them to torch names, "
       "which it does not use: drop --rules"
     )
   if rules is not None and naming != "torch":
-    _schema.check_jax_only(opened)
+    _resolved.check_jax_only(opened)
     opened = _flax_names.torch_named(opened, rules)
   report = sink.export(opened, os.fspath(dst), overwrite=overwrite, progress=progress, **options)
   notes = [inferred] if inferred else []

@@ -9,11 +9,13 @@ exporter reads like a converted one.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from ucp_jax.base import _errors
 from ucp_jax.mapping._load import ArraysCheckpoint
-from ucp_jax.store import _checkpoint
+from ucp_jax.store import _checkpoint, _schema
 
 
 def torch_named(ckpt: _checkpoint.Checkpoint, rules) -> _checkpoint.Checkpoint:
@@ -24,25 +26,26 @@ def torch_named(ckpt: _checkpoint.Checkpoint, rules) -> _checkpoint.Checkpoint:
   Raises:
     MappingError: keys the rules cannot map back (all listed).
   """
-  schema = ckpt.manifest.schema or {}
-  params = schema.get("params") or {}
+  schema = ckpt.manifest.typed_schema or _schema.Schema(params={})
+  params = schema.params
   roles: dict[str, dict[str, np.ndarray]] = {"params": {}}
   for name, entry in params.items():
-    roles["params"][name] = ckpt.read(entry["value"])
-    for slot, key in (entry.get("slots") or {}).items():
+    if entry.value is not None:
+      roles["params"][name] = ckpt.read(entry.value)
+    for slot, key in entry.slots.items():
       roles.setdefault(slot, {})[name] = ckpt.read(key)
   mapped = {role: rules.export_arrays(arrays) for role, arrays in roles.items()}
   buffers = {}
-  if schema.get("buffers"):
-    buffers = rules.export_arrays({n: ckpt.read(k) for n, k in schema["buffers"].items()})
+  if schema.buffers:
+    buffers = rules.export_arrays({n: ckpt.read(k) for n, k in schema.buffers.items()})
 
   names = list(mapped["params"])
   tied = _tied(mapped["params"])
   flax_key = {
     n: key for key, sources in rules.map_names(names, partial=True).items() for n in sources
   }
-  entries = {n: params.get(flax_key.get(n)) or {} for n in names}
-  frozen = {n for n in names if entries[n].get("frozen", False)}  # a value, no slots
+  entries = {n: params.get(flax_key.get(n, "")) or _schema.ParamEntry() for n in names}
+  frozen = {n for n in names if entries[n].frozen}  # a value, no slots
   missing = [
     f"{role}: {n}"
     for role, arrays in mapped.items()
@@ -61,23 +64,19 @@ def torch_named(ckpt: _checkpoint.Checkpoint, rules) -> _checkpoint.Checkpoint:
   new_params = {}
   for name in names:
     if name in tied:
-      new_params[name] = {"tied_to": tied[name]}
+      new_params[name] = _schema.ParamEntry(tied_to=tied[name])
       continue
     slots = {role: f"{role}/{name}" for role in mapped if role != "params" and name in mapped[role]}
-    new_params[name] = {
-      "value": f"params/{name}",
-      "slots": slots,
-      "group": entries[name].get("group", 0),
-      "frozen": not slots,
-    }
-  new_schema = {
-    **schema,
-    "naming": "torch",
-    "params": new_params,
-    "buffers": {n: f"buffers/{n}" for n in buffers},
-  }
+    group = entries[name].group
+    new_params[name] = _schema.ParamEntry(
+      f"params/{name}", slots, 0 if group is None else group, frozen=not slots
+    )
+  torch_named = dataclasses.replace(
+    schema, naming="torch", params=new_params, buffers={n: f"buffers/{n}" for n in buffers}
+  )
+  schema_json = _schema.written(torch_named, str(ckpt.location))
   source = ckpt.manifest.source
-  return ArraysCheckpoint(arrays, ckpt.location, step=ckpt.step, schema=new_schema, source=source)
+  return ArraysCheckpoint(arrays, ckpt.location, step=ckpt.step, schema=schema_json, source=source)
 
 
 def _tied(arrays: dict[str, np.ndarray]) -> dict[str, str]:

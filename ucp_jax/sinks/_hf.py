@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ucp_jax.base import _errors
-from ucp_jax.sinks import _folder, _schema
+from ucp_jax.sinks import _folder, _resolved
 from ucp_jax.sinks._report import ExportReport
 from ucp_jax.sources import hf as hf_source
 from ucp_jax.store import _checkpoint, _untrusted
@@ -83,7 +83,7 @@ def export(
   start = time.perf_counter()
   check_options(dst, overwrite=overwrite, config=config, max_shard_size=max_shard_size, dtype=dtype)
   dst = check_destination(dst, overwrite=overwrite)
-  weights = _schema.weights(ckpt)
+  weights = _resolved.weights(ckpt)
   target = _dtype(dtype)
   tensors = [(p.name, p.value) for p in (*weights.params, *weights.buffers)]
   config_data = _config(ckpt, config)
@@ -291,11 +291,11 @@ def _with_dtype(config: dict, ckpt, keys: list[str], target) -> tuple[dict, str 
   return out, "; ".join(notes) or None
 
 
-def _notes(ckpt, weights: _schema.WeightsPlan, config: dict | None) -> list[str]:
+def _notes(ckpt, weights: _resolved.WeightsPlan, config: dict | None) -> list[str]:
   notes = []
-  schema = ckpt.manifest.schema or {}
-  entries = [e for e in (schema.get("params") or {}).values() if isinstance(e, dict)]
-  slots = sorted({s for entry in entries for s in entry.get("slots") or {}})
+  schema = ckpt.manifest.typed_schema
+  entries = [] if schema is None else list(schema.params.values())
+  slots = sorted({s for entry in entries for s in entry.slots})
   if slots:
     notes.append(
       f"optimizer state ({', '.join(slots)}, step, groups) is not exported: a Hugging Face "

@@ -192,9 +192,9 @@ def _shape_of(ckpt: _checkpoint.Checkpoint, nnx: bool | None) -> _Shape:
   elif isinstance(variables, list):
     wrapped = keys & set(variables)
   else:
-    schema = ckpt.manifest.schema or {}
+    schema = ckpt.manifest.typed_schema
     nnx_state = all(k.startswith(("model/", "optimizer/")) for k in keys)
-    wrapped = keys if schema.get("naming") == "flax" and nnx_state else set()
+    wrapped = keys if schema is not None and schema.naming == "flax" and nnx_state else set()
   sequences = set(recorded.get("sequences") or [])
   empty = recorded.get("empty") if isinstance(recorded.get("empty"), dict) else {}
 

@@ -134,7 +134,7 @@ def convert(
     dst=str(target),
     format=plan.format,
     step=plan.step,
-    params=len((manifest.schema or {}).get("params") or {}),
+    params=0 if manifest.typed_schema is None else len(manifest.typed_schema.params),
     arrays=len(manifest.arrays),
     bytes=manifest.nbytes,
     seconds=time.perf_counter() - start,

@@ -20,7 +20,7 @@ import numpy as np
 from ucp_jax.base._errors import SourceFormatError
 from ucp_jax.sources._byte_span import ByteSpan
 from ucp_jax.sources._torch_reader._torch_file import InertObject, TorchDtype
-from ucp_jax.store import _bundle, _keypath, _zarr
+from ucp_jax.store import _bundle, _keypath, _schema, _zarr
 from ucp_jax.store._manifest import ArrayInfo, Manifest
 
 Pieces = Callable[[], Sequence[np.ndarray]]
@@ -163,7 +163,7 @@ def fixed(pieces: Sequence[np.ndarray]) -> Pieces:
 
 
 @dataclasses.dataclass(frozen=True)
-class Param:
+class SourceParam:
   """A parameter: its value (fp32 master where one exists) and optimizer slots.
 
   A frozen parameter has a value and no slots; a tied parameter has neither and names the
@@ -191,7 +191,7 @@ class Plan:
   Attributes:
     params: every parameter, in the source's flat order (optimized, then frozen, then tied).
     buffers: persistent buffers by name.
-    optimizer: the schema's `optimizer` entry (`type`, `step`, `groups`).
+    optimizer: the schema's `optimizer` entry (`type`, `step`, `groups`); None for weights alone.
     extra: the schema's `extra` entry (steps, scheduler, config, source layout).
     source: the manifest's `source` entry.
     step: the training step recorded in the manifest.
@@ -209,16 +209,16 @@ class Plan:
       Compressed sources set the bound of their codec.
   """
 
-  params: list[Param] = dataclasses.field(default_factory=list)
+  params: list[SourceParam] = dataclasses.field(default_factory=list)
   buffers: dict[str, Tensor] = dataclasses.field(default_factory=dict)
-  optimizer: dict = dataclasses.field(default_factory=dict)
+  optimizer: _schema.Optimizer | None = None
   extra: dict = dataclasses.field(default_factory=dict)
   source: dict = dataclasses.field(default_factory=dict)
   step: int | None = None
   path: str
   format: str = ""
   arrays: dict[str, Tensor] = dataclasses.field(default_factory=dict)
-  schema: dict | None = None
+  schema: _schema.Schema | None = None
   max_growth: float | None = None
   source_bytes: int | None = None
 
@@ -306,7 +306,7 @@ def _stored_as(tensor: Tensor, shard, bundle_bytes: int | None, **fields) -> Arr
 
 def layout(
   plan: Plan, bundle_bytes: int | None = _bundle.BUNDLE_BYTES
-) -> tuple[dict[str, tuple[ArrayInfo, Tensor]], dict]:
+) -> tuple[dict[str, tuple[ArrayInfo, Tensor]], _schema.Schema | None]:
   """The arrays of the plan by checkpoint key, in write order, and the manifest's schema.
 
   `params/NAME` holds each parameter's value, `SLOT/NAME` its optimizer slots
@@ -319,37 +319,29 @@ def layout(
     jobs[key] = (_stored_as(tensor, shard, bundle_bytes, role=role), tensor)
     return key
 
-  entries = {}
-  values = {}
+  values: dict[str, str] = {}
+  slots: dict[str, dict[str, str]] = {}
   for p in plan.params:
     if p.value is not None:
       values[p.name] = add("params", p.name, p.value, "value", p.shard_shape)
-    slots = {slot: add(slot, p.name, t, slot, p.shard_shape) for slot, t in p.slots.items()}
-    entries[p.name] = {
-      "value": values.get(p.name),
-      "slots": slots,
-      "group": p.group,
-      "frozen": p.frozen,
-      "tied_to": p.tied_to,
-    }
-    if p.pattern is not None:  # how the source split it over TP/PP/EP ranks (_patterns)
-      entries[p.name]["pattern"] = p.pattern
-  for p in plan.params:  # a tied parameter points at the key that holds its data
-    if p.tied_to is not None:
-      entries[p.name]["value"] = values.get(p.tied_to)
+    slots[p.name] = {slot: add(slot, p.name, t, slot, p.shard_shape) for slot, t in p.slots.items()}
+  entries = {  # a tied parameter points at the key that holds its data
+    p.name: _schema.ParamEntry(
+      value=values.get(p.name if p.tied_to is None else p.tied_to),
+      slots=slots[p.name],
+      group=p.group,
+      frozen=p.frozen,
+      tied_to=p.tied_to,
+      pattern=p.pattern,  # how the source split it over TP/PP/EP ranks (_patterns)
+    )
+    for p in plan.params
+  }
   buffers = {name: add("buffers", name, t, "buffer") for name, t in plan.buffers.items()}
   for key, tensor in plan.arrays.items():  # a pytree's leaves, at their own keys
     jobs[key] = (_stored_as(tensor, None, bundle_bytes, **tensor.info), tensor)
   if plan.arrays and not plan.params and not plan.buffers:
     return jobs, plan.schema
-  schema = {
-    "version": 1,
-    "naming": "torch",
-    "params": entries,
-    "buffers": buffers,
-    "optimizer": plan.optimizer,
-    "extra": plan.extra,
-  }
+  schema = _schema.Schema(entries, buffers, plan.optimizer, naming="torch", extra=plan.extra)
   return jobs, schema
 
 
@@ -418,6 +410,6 @@ def manifest_of(
     tree=_keypath.structure(list(arrays)),
     step=plan.step,
     source=plan.source,
-    schema=schema,
+    schema=_schema.written(schema, f"{plan.path}: the schema of its conversion"),
   )
   return manifest, {key: tensor for key, (_, tensor) in jobs.items()}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import hashlib
 import json
 import os
@@ -24,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ucp_jax.base import _errors
-from ucp_jax.store import _bundle, _chunks, _keypath, _location, _untrusted
+from ucp_jax.store import _bundle, _chunks, _keypath, _location, _schema, _untrusted
 
 FORMAT = "ucp_jax"
 FORMAT_VERSION = 3
@@ -193,6 +194,16 @@ class Manifest:
   def nbytes(self) -> int:
     return sum(a.nbytes for a in self.arrays.values())
 
+  @functools.cached_property
+  def typed_schema(self) -> _schema.Schema | None:
+    """`schema` as typed records (`Schema`: parameters, buffers, optimizer), None without one.
+
+    Raises:
+      ManifestError: a schema of the wrong structure (a manifest read from storage is checked
+        when it is read).
+    """
+    return _schema.of(self.schema, "the manifest")
+
   def to_bytes(self) -> bytes:
     data = {
       "format": FORMAT,
@@ -238,7 +249,7 @@ class Manifest:
       raise _errors.ManifestError(f"{where}: malformed manifest: {problem}")
     _check_keys(data["arrays"], data.get("tree"), where)
     arrays = {k: _array_info(k, v, where, sealed=version >= 2) for k, v in data["arrays"].items()}
-    return cls(
+    manifest = cls(
       arrays=arrays,
       tree=data.get("tree"),
       step=data.get("step"),
@@ -252,6 +263,9 @@ class Manifest:
       durable=data.get("durable"),
       pool=data.get("pool", ""),
     )
+    if manifest.schema is not None:  # checked once, here, naming the file
+      manifest.__dict__["typed_schema"] = _schema.Schema.from_json(manifest.schema, where)
+    return manifest
 
 
 _TOP_FIELDS = {  # field: (the types a save writes, what they are called)

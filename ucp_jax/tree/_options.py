@@ -7,7 +7,8 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING, Literal
 
-from ucp_jax.store import _bundle, _zarr
+from ucp_jax.base import _errors
+from ucp_jax.store import _bundle, _schema, _zarr
 from ucp_jax.tree import _unchanged
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ class SaveOptions:
   chunk_bytes: int = _zarr.CHUNK_BYTES
   bundle_bytes: int | Literal["auto"] | None = "auto"
   durable: bool = True
-  schema: dict | None = None
+  schema: _schema.Schema | dict | None = None  # stored as its JSON, checked (`checked`)
   source: dict | None = None
   base: str | os.PathLike | Checkpoint | None = None
   unchanged: _unchanged.Unchanged = "identity"
@@ -46,13 +47,15 @@ class SaveOptions:
     return cls(**{f.name: keywords[f.name] for f in dataclasses.fields(cls) if f.name in keywords})
 
   def checked(self) -> SaveOptions:
-    """These options, once each is known valid (raises `InvalidArgumentError` otherwise)."""
+    """These options, once each is known valid (raises `InvalidArgumentError` otherwise),
+    the schema in the JSON form the manifest stores."""
     _zarr.check_compression(self.compression)
     _zarr.check_chunk_bytes(self.chunk_bytes)
     _unchanged.check_mode(self.unchanged)
     if self.bundle_bytes != _bundle.AUTO:
       _bundle.check_limit(self.bundle_bytes)  # type: ignore[arg-type]
-    return self
+    schema = _schema.written(self.schema, "schema=", _errors.InvalidArgumentError)
+    return dataclasses.replace(self, schema=schema)
 
   def bundle_limit(self, local: bool) -> int | None:
     """`bundle_bytes` for a save to a local disk (`local`) or an object store."""

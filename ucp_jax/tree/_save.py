@@ -137,7 +137,7 @@ def plan(path: str | os.PathLike, tree: Any, options: SaveOptions, *, copies=Non
   agreed. `copies(entries)`, when given, runs in the same agreement on the entries of the
   arrays to be written (`save_async`'s host copies); a tree (or a base) rejected on one
   process only stops every process, none left waiting."""
-  options.checked()
+  options = options.checked()
   target = _location.resolve(path)
   sync = _multihost.Sync(str(target))
   leaves: dict[str, Any] = {}

@@ -29,7 +29,7 @@ import numpy as np
 from ucp_jax.base._errors import SourceFormatError, bullet_list
 from ucp_jax.sources._source_plan import Tensor, jsonable, number
 from ucp_jax.sources._torch_reader._torch_file import is_tensor
-from ucp_jax.store import _untrusted
+from ucp_jax.store import _schema, _untrusted
 
 MAX_STATES = 1 << 20
 """Partial interleavings tried at once; past it the ids count as ambiguous."""
@@ -63,7 +63,7 @@ class Found:
   """
 
   held: dict[str, Held]
-  entry: dict
+  entry: _schema.Optimizer
   step: int | None
   extra: dict
 
@@ -129,8 +129,9 @@ def read(
   extra: dict[str, Any] = {"optimizer_names": how}
   if differ:
     extra["param_steps"] = differ
-  entry = {"type": kind(groups), "step": step, "groups": out_groups}
-  return Found(held, entry, step if isinstance(step, int) else None, extra)
+  step = _schema.integer_or_none(step)
+  entry = _schema.Optimizer(kind(groups), step, tuple(map(_schema.GroupEntry, out_groups)))
+  return Found(held, entry, step, extra)
 
 
 def kind(groups: list[dict]) -> str:

@@ -29,10 +29,11 @@ import numpy as np
 
 from ucp_jax.base._errors import SourceFormatError, UnsafePickleError, bullet_list
 from ucp_jax.sources import _files
-from ucp_jax.sources._source_plan import Param, Plan, Tensor, jsonable, number
+from ucp_jax.sources._source_plan import Plan, SourceParam, Tensor, jsonable, number
 from ucp_jax.sources._torch_reader._state_dict import is_buffer
 from ucp_jax.sources.dcp import _chunks, _metadata
 from ucp_jax.sources.dcp._metadata import BytesEntry, Layout, TensorEntry
+from ucp_jax.store import _schema
 
 NAME = "dcp"
 DESCRIPTION = (
@@ -98,7 +99,7 @@ def describe(path: str) -> Plan:
       f"{path}: not a model and optimizer state it can read:\n" + bullet_list(problems)
     )
   params = [
-    Param(
+    SourceParam(
       name,
       tensors[model[name]],
       slots=held.get(name, {}),
@@ -113,12 +114,12 @@ def describe(path: str) -> Plan:
     key = model[name]
     tied = _tied_to(key, params, model, layout, files) if members else None
     if tied is not None:
-      params.append(Param(name, None, tied_to=tied))
+      params.append(SourceParam(name, None, tied_to=tied))
     elif is_buffer(name):
       buffers[name] = tensors[key]
     else:
       params.append(
-        Param(
+        SourceParam(
           name,
           tensors[key],
           frozen=bool(members),
@@ -129,7 +130,7 @@ def describe(path: str) -> Plan:
   return Plan(
     params=params,
     buffers=buffers,
-    optimizer=_optimizer(hypers, members, steps) if members else {},
+    optimizer=_optimizer(hypers, members, steps) if members else None,
     extra=_extra(other, files, layout, steps, step),
     source=_source(path, layout),
     step=None if step is None else number(step),
@@ -285,7 +286,7 @@ def _held(state: dict, model: dict, tensors: dict, layout: Layout, files, meta, 
   return held, steps
 
 
-def _tied_to(key: str, params: list[Param], model: dict, layout: Layout, files) -> str | None:
+def _tied_to(key: str, params: list[SourceParam], model: dict, layout: Layout, files) -> str | None:
   """The trainable parameter that model entry `key` aliases: the same shape, dtype and bytes."""
   mine = layout.entries[key]
   for p in params:
@@ -298,7 +299,7 @@ def _tied_to(key: str, params: list[Param], model: dict, layout: Layout, files) 
   return None
 
 
-def _optimizer(hypers: list[dict], members: list[list[str]], steps: dict) -> dict:
+def _optimizer(hypers: list[dict], members: list[list[str]], steps: dict) -> _schema.Optimizer:
   """The schema's `optimizer` entry: type, step, per-group hyperparameters and step."""
   groups = []
   for hyper, names in zip(hypers, members):
@@ -310,7 +311,8 @@ def _optimizer(hypers: list[dict], members: list[list[str]], steps: dict) -> dic
   else:
     kind = "sgd" if "momentum" in first else "unknown"
   top = max(steps.values(), default=None)
-  return {"type": kind, "step": None if top is None else number(top), "groups": groups}
+  step = _schema.integer_or_none(None if top is None else number(top))
+  return _schema.Optimizer(type=kind, step=step, groups=tuple(map(_schema.GroupEntry, groups)))
 
 
 def _extra(other: list[str], files, layout: Layout, steps: dict, step: Any) -> dict:

@@ -19,11 +19,11 @@ import numpy as np
 from ucp_jax.base import _errors
 from ucp_jax.base._errors import SourceFormatError
 from ucp_jax.sources import _files
-from ucp_jax.sources._source_plan import Param, jsonable, number
+from ucp_jax.sources._source_plan import SourceParam, jsonable, number
 from ucp_jax.sources._torch_reader import _optimizer, _torch_file
 from ucp_jax.sources._torch_reader._torch_file import is_tensor
 from ucp_jax.sources.deepspeed import _contract as contract
-from ucp_jax.store import _untrusted
+from ucp_jax.store import _schema, _untrusted
 
 MODEL_KEYS = (
   "module",
@@ -281,7 +281,7 @@ def shapes_of(model: dict, path: str, problems: list[str]) -> list[dict[str, tup
 def model_extras(model: dict, path: str, optimized: set[str]) -> tuple[list, dict, list]:
   """Tied params, buffers and the frozen-param names of a model-states file (§9).
 
-  Returns ([Param(tied)], {buffer: Tensor}, [frozen names from `module`]).
+  Returns ([SourceParam(tied)], {buffer: Tensor}, [frozen names from `module`]).
   """
   module = model["module"] if isinstance(model.get("module"), dict) else {}
   buffer_names = list(model.get("buffer_names") or [])
@@ -298,7 +298,7 @@ def model_extras(model: dict, path: str, optimized: set[str]) -> tuple[list, dic
   ]
   fail(f"{path}: inconsistent model states", problems)
   buffers = {name: whole(module[name], f"{path}['module'][{name!r}]") for name in buffer_names}
-  tied = [Param(name=alias, value=None, tied_to=holder) for alias, holder in shared.items()]
+  tied = [SourceParam(name=alias, value=None, tied_to=holder) for alias, holder in shared.items()]
   taken = optimized | set(buffer_names) | set(shared)
   frozen = [n for n in module if n not in taken]
   return tied, buffers, frozen
@@ -337,18 +337,18 @@ def optimizer_class(osd: dict) -> tuple[int, str]:
   return stage, "DeepSpeedZeroOptimizer_Stage3" if stage == 3 else "DeepSpeedZeroOptimizer"
 
 
-def optimizer_entry(groups: list[dict], steps: list[Any], config: Any) -> dict:
+def optimizer_entry(groups: list[dict], steps: list[Any], config: Any) -> _schema.Optimizer:
   """The schema's `optimizer` entry: type, step, per-group hyperparameters and step."""
   out_groups = []
   for group, step in zip(groups, steps):
     hyper = {str(k): jsonable(v) for k, v in group.items() if k != "params"}
     out_groups.append({**hyper, "step": None if step is None else number(step)})
   known = [g["step"] for g in out_groups if g["step"] is not None]
-  return {
-    "type": _optimizer_type(groups, config),
-    "step": known[0] if known else None,
-    "groups": out_groups,
-  }
+  return _schema.Optimizer(
+    type=_optimizer_type(groups, config),
+    step=_schema.integer_or_none(known[0] if known else None),
+    groups=tuple(map(_schema.GroupEntry, out_groups)),
+  )
 
 
 def _optimizer_type(groups: list[dict], config: Any) -> str:

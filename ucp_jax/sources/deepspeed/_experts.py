@@ -13,7 +13,7 @@ import collections
 import dataclasses
 import re
 
-from ucp_jax.sources._source_plan import Param, Tensor
+from ucp_jax.sources._source_plan import SourceParam, Tensor
 
 EXPP_RE = re.compile(r"^expp_rank_([0-9]+)_mp_rank_([0-9]+)_optim_states\.pt\Z")
 NATIVE_RE = re.compile(r"^(.*\.deepspeed_experts\.)([0-9]+)(\..*)\Z")
@@ -27,10 +27,10 @@ class Group:
   moe: bool
 
 
-def stack_experts(per_rank: list[list[Param]], group: Group, where: str, problems: list):
+def stack_experts(per_rank: list[list[SourceParam]], group: Group, where: str, problems: list):
   """One stacked parameter per expert weight from each expert-parallel rank's local ones.
 
-  Returns `[(Param, {global expert: (file key, local Param, index in it)})]`: the second
+  Returns `[(SourceParam, {global expert: (file key, local SourceParam, index in it)})]`: the second
   part says where each expert's own copy is, for `check_expert_files`.
   """
   out = []
@@ -70,7 +70,9 @@ def stack_experts(per_rank: list[list[Param]], group: Group, where: str, problem
   return out
 
 
-def _stacked(name: str, parts: list[Param], group: Group, n: int, kind: str, names: str) -> Param:
+def _stacked(
+  name: str, parts: list[SourceParam], group: Group, n: int, kind: str, names: str
+) -> SourceParam:
   first = parts[0]
   per = first.value.shape if kind == "native" else first.value.shape[1:]
   shape = (n, *per)
@@ -92,13 +94,13 @@ def _stacked(name: str, parts: list[Param], group: Group, n: int, kind: str, nam
     "experts": {"layout": kind, "names": names},
   }
   value = cat([p.value for p in parts], "value")
-  return Param(name, value, slots, group=group.index, pattern=pattern, shard_shape=(1, *per))
+  return SourceParam(name, value, slots, group=group.index, pattern=pattern, shard_shape=(1, *per))
 
 
-def stack_universal(params: list[Param], groups: list, problems: list) -> list[Param]:
+def stack_universal(params: list[SourceParam], groups: list, problems: list) -> list[SourceParam]:
   """Per-expert native parameters of a universal folder (`...deepspeed_experts.{e}...`, as
   `ds_to_universal` writes them at ep 1 and `ucp export` at any) stacked like `plan`'s."""
-  native: dict[tuple[str, str], dict[int, Param]] = {}
+  native: dict[tuple[str, str], dict[int, SourceParam]] = {}
   out = []
   for p in params:
     m = NATIVE_RE.match(p.name)

@@ -30,7 +30,7 @@ import numpy as np
 
 from ucp_jax.base._errors import SourceFormatError
 from ucp_jax.sources import _files
-from ucp_jax.sources._source_plan import Param, Plan, read_pieces
+from ucp_jax.sources._source_plan import Plan, SourceParam, read_pieces
 from ucp_jax.sources.deepspeed import _common as common
 from ucp_jax.sources.deepspeed import _contract as contract
 from ucp_jax.sources.deepspeed import _experts, _zero
@@ -222,7 +222,7 @@ def module_aliases(model: dict, leftovers: list[str], optimized: set[str]):
     if holder is None:
       rest.append(name)
     else:
-      aliases.append(Param(name, None, tied_to=holder))
+      aliases.append(SourceParam(name, None, tied_to=holder))
   return aliases, rest
 
 
@@ -285,7 +285,7 @@ def _elements(pieces, start: int, count: int) -> np.ndarray:
   return np.concatenate(out) if out else np.zeros(0, np.float32)
 
 
-def moe_layout(model: dict, groups: list[_experts.Group], experts: list[Param]) -> dict:
+def moe_layout(model: dict, groups: list[_experts.Group], experts: list[SourceParam]) -> dict:
   """The schema's `source_layout` entries of a MoE run."""
   kinds = sorted({p.pattern["experts"]["layout"] for p in experts})
   return {

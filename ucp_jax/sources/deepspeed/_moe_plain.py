@@ -20,7 +20,7 @@ import re
 import numpy as np
 
 from ucp_jax.base._errors import SourceFormatError
-from ucp_jax.sources._source_plan import Param, Plan
+from ucp_jax.sources._source_plan import Plan, SourceParam
 from ucp_jax.sources._torch_reader._torch_file import is_tensor
 from ucp_jax.sources.deepspeed import _common as common
 from ucp_jax.sources.deepspeed import _contract as contract
@@ -82,7 +82,7 @@ def plan(folder: str, names: list[str], model_path: str) -> Plan:
   optimized = set(placed.values())
   tied, buffer_tensors, leftovers = common.model_extras(model, model_path, optimized)
   params += [
-    Param(n, common.whole(module[n], f"{model_path}[{n!r}]"), frozen=True) for n in leftovers
+    SourceParam(n, common.whole(module[n], f"{model_path}[{n!r}]"), frozen=True) for n in leftovers
   ] + tied
   source_layout = common.layout(model, stage=0, optimizer_class="torch")
   source_layout |= {
@@ -209,7 +209,7 @@ def _place(osd, groups, candidates, shapes, path, problems) -> dict[int, str]:
   return out
 
 
-def _param(name, value, state, group, path, problems) -> Param | None:
+def _param(name, value, state, group, path, problems) -> SourceParam | None:
   if not is_tensor(value) or value.dtype != np.float32:
     problems.append(f"{path}: {name!r} is not a float32 tensor (fp32 runs only without ZeRO)")
     return None
@@ -217,7 +217,7 @@ def _param(name, value, state, group, path, problems) -> Param | None:
   for k, v in sorted(state.items()):
     if k != "step" and is_tensor(v) and v.shape == value.shape:
       slots[k] = common.whole(v, f"{path} state {k} of {name}")
-  return Param(name, common.whole(value, f"{name} ({path})"), slots, group=group)
+  return SourceParam(name, common.whole(value, f"{name} ({path})"), slots, group=group)
 
 
 def _step(state: dict):

@@ -37,7 +37,7 @@ from ucp_jax.base._errors import SourceFormatError
 from ucp_jax.parallel import _pattern_rules, _patterns
 from ucp_jax.parallel._patterns import Pattern
 from ucp_jax.sources import _files
-from ucp_jax.sources._source_plan import Param, Plan, Tensor, read_pieces
+from ucp_jax.sources._source_plan import Plan, SourceParam, Tensor, read_pieces
 from ucp_jax.sources.deepspeed import _common as common
 from ucp_jax.sources.deepspeed import _contract as contract
 from ucp_jax.sources.deepspeed import _tp_merge, _zero
@@ -71,7 +71,7 @@ class _Rank:
   tp: int
   path: str
   model: dict
-  params: dict[str, Param]
+  params: dict[str, SourceParam]
   steps: list[Any]
   osd0: dict  # dp rank 0's optimizer_state_dict (param groups, stage)
 
@@ -149,7 +149,7 @@ def _read_ranks(folder: str, names: list[str]) -> tuple[list[_Rank], int, int]:
 
 def _params(folder: str, ranks: list[_Rank], tp: int, info: dict, rules: Sequence, experts):
   """The optimized parameters: every rank's shards merged by pattern, experts stacked."""
-  by_name: dict[str, dict[int, dict[int, Param]]] = {}
+  by_name: dict[str, dict[int, dict[int, SourceParam]]] = {}
   for r in ranks:
     for name, p in r.params.items():
       by_name.setdefault(name, {}).setdefault(r.stage, {})[r.tp] = p
@@ -273,7 +273,7 @@ def _expert_files(folder: str, names: list[str], tp: int) -> dict[str, dict[int,
   return out
 
 
-def _experts(name: str, files: dict[int, tuple[str, str]], problems) -> Param:
+def _experts(name: str, files: dict[int, tuple[str, str]], problems) -> SourceParam:
   n = len(files)
   if sorted(files) != list(range(n)):
     problems.append(f"`{name}`: expert files for experts {sorted(files)}, expected 0..{n - 1}")
@@ -297,10 +297,12 @@ def _experts(name: str, files: dict[int, tuple[str, str]], problems) -> Param:
     ]
 
   value = Tensor(shape, sample.dtype, pieces, f"{name} (experts in {os.path.basename(path0)} ...)")
-  return Param(name, value, {}, group=None, pattern=pattern.to_json(), shard_shape=(1, *shape[1:]))
+  return SourceParam(
+    name, value, {}, group=None, pattern=pattern.to_json(), shard_shape=(1, *shape[1:])
+  )
 
 
-def _frozen_and_buffers_check(ranks: list[_Rank], optimized: set[str]) -> list[Param]:
+def _frozen_and_buffers_check(ranks: list[_Rank], optimized: set[str]) -> list[SourceParam]:
   """Frozen parameters and buffers of TP runs: not merged yet; refuse rather than drop them."""
   module = ranks[0].model.get("module") or {}
   extra = [k for k in module if k not in optimized and not _EXPERT_KEY_RE.match(k)]
@@ -311,7 +313,7 @@ def _frozen_and_buffers_check(ranks: list[_Rank], optimized: set[str]) -> list[P
     "converted yet",
     extra,
   )
-  return [Param(alias, None, tied_to=holder) for alias, holder in shared.items()]
+  return [SourceParam(alias, None, tied_to=holder) for alias, holder in shared.items()]
 
 
 def universal_meta(pattern: dict | None, name: str) -> dict[str, Any]:

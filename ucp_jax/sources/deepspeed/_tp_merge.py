@@ -17,7 +17,7 @@ import numpy as np
 from ucp_jax.base._errors import MappingError
 from ucp_jax.parallel import _pattern_flat, _patterns
 from ucp_jax.parallel._patterns import Pattern
-from ucp_jax.sources._source_plan import Param, Tensor, read_pieces, release
+from ucp_jax.sources._source_plan import SourceParam, Tensor, read_pieces, release
 from ucp_jax.store import _untrusted
 
 
@@ -39,7 +39,7 @@ def merged_shape(pattern: Pattern, shapes: Sequence[tuple[int, ...]], name: str)
 
 
 def merged_param(
-  name: str, stages: dict[int, dict[int, Param]], tp: int, pattern: Pattern, problems
+  name: str, stages: dict[int, dict[int, SourceParam]], tp: int, pattern: Pattern, problems
 ):
   """One parameter from its shards on every TP rank of every stage that holds it."""
   missing = [
@@ -79,7 +79,7 @@ def merged_param(
     )
   value = tensors.pop("value")
   shard = shard_block(resolved, shape, [p.value.shape for p in shards[min(stages)]], name)
-  return Param(
+  return SourceParam(
     name, value, tensors, group=first.group, pattern=resolved.to_json(), shard_shape=shard
   )
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from ucp_jax.base._errors import SourceFormatError
 from ucp_jax.sources import _files
-from ucp_jax.sources._source_plan import Param, Pieces, Plan, Tensor
+from ucp_jax.sources._source_plan import Pieces, Plan, SourceParam, Tensor
 from ucp_jax.sources._torch_reader._torch_file import is_tensor
 from ucp_jax.sources.deepspeed import _common as common
 from ucp_jax.sources.deepspeed import _contract as contract
@@ -200,7 +200,7 @@ def _param(folder, name, shape, group, stage, problems):
   value = tensors.pop("fp32")
   shard = None if pattern is None else (1, *shape[1:])
   slots = dict(sorted(tensors.items()))
-  return Param(name, value, slots, group=group, pattern=pattern, shard_shape=shard), step
+  return SourceParam(name, value, slots, group=group, pattern=pattern, shard_shape=shard), step
 
 
 def _expert_shape(path: str, shape: tuple[int, ...], problems: list[str]):

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ucp_jax.sources._source_plan import Param, Plan, Tensor, fixed
+from ucp_jax.sources._source_plan import Plan, SourceParam, Tensor, fixed
 from ucp_jax.sources._torch_reader._torch_file import InertObject, is_tensor
 from ucp_jax.sources.deepspeed import _common as common
 from ucp_jax.sources.deepspeed import _contract as contract
@@ -136,7 +136,7 @@ def check_consistent(model: dict, model_path: str, paths: list[str], osds: list,
 
 def group_params(
   g: int, shapes: dict[str, tuple[int, ...]], paths: list[str], osds: list[dict], problems: list
-) -> list[Param]:
+) -> list[SourceParam]:
   """The parameters of flat group `g`: fragments cut from every rank's partitions (§6)."""
   pieces: dict[str, dict[str, list[np.ndarray]]] = {name: {} for name in shapes}
   slot_names: list[str] | None = None
@@ -203,7 +203,7 @@ def group_params(
         shape, v[0].dtype if v else np.dtype(np.float32), fixed(v), f"{where}[{k}]"
       )
     value = tensors.pop("value")
-    params.append(Param(name=name, value=value, slots=tensors, group=g))
+    params.append(SourceParam(name=name, value=value, slots=tensors, group=g))
   return params
 
 
@@ -243,7 +243,7 @@ def group_step(g: int, paths: list[str], osds: list[dict], problems: list) -> An
   return steps[0][1] if steps else None
 
 
-def frozen_params(model: dict, path: str, leftovers: list[str]) -> list[Param]:
+def frozen_params(model: dict, path: str, leftovers: list[str]) -> list[SourceParam]:
   """Frozen parameters (§9): `frozen_param_fragments` (stage 2) or `module` (stage 1, BF16)."""
   module = model["module"]
   shapes = model.get("frozen_param_shapes") or {}
@@ -263,6 +263,6 @@ def frozen_params(model: dict, path: str, leftovers: list[str]) -> list[Param]:
       )
       continue
     value = common.whole(array, f"{path}[{key!r}][{name!r}]")
-    params.append(Param(name=name, value=value, frozen=True))
+    params.append(SourceParam(name=name, value=value, frozen=True))
   common.fail(f"{path}: unreadable frozen parameters", problems)
   return params

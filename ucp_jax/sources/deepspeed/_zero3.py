@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 
-from ucp_jax.sources._source_plan import Param, Plan, Tensor, fixed
+from ucp_jax.sources._source_plan import Plan, SourceParam, Tensor, fixed
 from ucp_jax.sources.deepspeed import _common as common
 from ucp_jax.sources.deepspeed import _contract as contract
 
@@ -166,7 +166,7 @@ def cut(flats: list[np.ndarray], offset: int, numel: int) -> list[np.ndarray]:
   return pieces
 
 
-def _subgroup_params(s, shapes, group, paths, flats, slots, dp, problems) -> list[Param]:
+def _subgroup_params(s, shapes, group, paths, flats, slots, dp, problems) -> list[SourceParam]:
   size = sum(-(-math.prod(shape) // dp) for shape in shapes.values())
   arrays: dict[str, list[np.ndarray]] = {}
   for path, fp32, rank_slots in zip(paths, flats, slots):
@@ -195,12 +195,12 @@ def _subgroup_params(s, shapes, group, paths, flats, slots, dp, problems) -> lis
       for k, v in arrays.items()
     }
     value = tensors.pop("value")
-    params.append(Param(name=name, value=value, slots=tensors, group=group))
+    params.append(SourceParam(name=name, value=value, slots=tensors, group=group))
     offset += -(-numel // dp)
   return params
 
 
-def frozen_params(models: list[dict], paths: list[str], dp: int) -> list[Param]:
+def frozen_params(models: list[dict], paths: list[str], dp: int) -> list[SourceParam]:
   """Frozen parameters (§9): a padded `ceil(n/dp)` fragment in each rank's model states."""
   params, problems = [], []
   for name, shape in (models[0]["frozen_param_shapes"] or {}).items():
@@ -216,6 +216,6 @@ def frozen_params(models: list[dict], paths: list[str], dp: int) -> list[Param]:
       continue
     where = f"{name} (frozen_param_fragments of {len(paths)} model-states files)"
     value = Tensor(tuple(shape), pieces[0].dtype, fixed(cut(pieces, 0, math.prod(shape))), where)
-    params.append(Param(name=name, value=value, frozen=True))
+    params.append(SourceParam(name=name, value=value, frozen=True))
   common.fail(f"{os.path.dirname(paths[0])}: unreadable frozen parameters", problems)
   return params

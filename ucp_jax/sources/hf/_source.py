@@ -32,7 +32,7 @@ import numpy as np
 from ucp_jax.base import _errors
 from ucp_jax.base._errors import SourceFormatError
 from ucp_jax.sources import _remote
-from ucp_jax.sources._source_plan import Param, Plan, Tensor, lazy_store
+from ucp_jax.sources._source_plan import Plan, SourceParam, Tensor, lazy_store
 from ucp_jax.sources._torch_reader import _optimizer, _state_dict, _torch_file
 from ucp_jax.sources.hf import _safetensors as st
 from ucp_jax.sources.hf import _shard_index as shard_index
@@ -123,15 +123,15 @@ def describe(path: str, *, tied: dict[str, str] | None = None) -> Plan:
   ties = dict(aliases)
   ties.update(_ties(config, tensors) if tied is None else _checked_ties(tied, tensors, weights))
   buffers = {n: t for n, t in tensors.items() if _state_dict.is_buffer(n)}
-  params = [Param(name=n, value=t) for n, t in tensors.items() if n not in buffers]
-  params += [Param(name=alias, value=None, tied_to=holder) for alias, holder in ties.items()]
+  params = [SourceParam(name=n, value=t) for n, t in tensors.items() if n not in buffers]
+  params += [SourceParam(name=alias, value=None, tied_to=holder) for alias, holder in ties.items()]
   extra: dict[str, Any] = {"tied": ties} if ties else {}
   if metadata:
     extra["safetensors_metadata"] = metadata
   return Plan(
     params=params,
     buffers=buffers,
-    optimizer={},
+    optimizer=None,
     extra=extra,
     source={
       "framework": "transformers",

@@ -108,7 +108,7 @@ def describe(path: str, *, hyperparams: dict | list[dict] | None = None) -> Plan
   return Plan(
     params=[],
     buffers={},
-    optimizer=(state.schema or {}).get("optimizer") or {},
+    optimizer=None if state.schema is None else state.schema.optimizer,
     extra={},
     source=source,
     step=step,

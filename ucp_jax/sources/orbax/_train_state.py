@@ -29,6 +29,7 @@ import numpy as np
 
 from ucp_jax.base import _errors
 from ucp_jax.sources._source_plan import Tensor
+from ucp_jax.store import _schema
 
 _TORCH_SLOTS = {"mu": "exp_avg", "nu": "exp_avg_sq", "trace": "momentum_buffer"}
 _FORMS = {frozenset({"mu", "nu"}): "adam", frozenset({"trace"}): "sgd"}
@@ -41,7 +42,7 @@ _LAYOUTS = (("model", "optimizer/opt_state", "optimizer/step"), ("params", "opt_
 class TrainState:
   """The schema found (None for a tree that is no training state) and the optimizer step."""
 
-  schema: dict | None
+  schema: _schema.Schema | None
   step: int | None
 
 
@@ -76,41 +77,34 @@ class _Inference:
     groups = [s for s, fields in states.items() if _form(fields) in ("adam", "sgd")]
     shapes_ok = {s: self._shapes_match(states[s]) for s in groups}
     groups = [s for s in groups if shapes_ok[s]]
-    params: dict[str, dict] = {}
+    group_of: dict[str, int] = {}
+    slots: dict[str, dict[str, str]] = {}
     for index, state in enumerate(groups):
       for field, held in states[state].items():
         for rel, key in held.items():
-          entry = params.setdefault(rel, {"value": self.model[rel], "slots": {}, "group": index})
-          if entry["group"] == index:
-            entry["slots"][_TORCH_SLOTS[field]] = key
+          if group_of.setdefault(rel, index) == index:
+            slots.setdefault(rel, {})[_TORCH_SLOTS[field]] = key
     floating = [r for r, k in self.model.items() if _floating(self.tensors[k])]
+    params: dict[str, _schema.ParamEntry]
     if self.opt is None or not states:  # a model alone, or an optimizer with no slots
       frozen = self.opt is None
-      params = {r: {"value": self.model[r], "slots": {}, "frozen": frozen} for r in floating}
-      if not frozen:
-        for entry in params.values():
-          entry["group"] = 0
+      group = None if frozen else 0
+      params = {r: _schema.ParamEntry(self.model[r], {}, group, frozen) for r in floating}
     else:
-      for entry in params.values():
-        entry["frozen"] = False
+      params = {r: _schema.ParamEntry(self.model[r], slots[r], g) for r, g in group_of.items()}
     buffers = {r: self.model[r] for r in floating if r not in params}
     step = self._step(groups)
     group_hyper = self._hyperparams(groups, hyperparams)
     kinds = {_form(states[s]) for s in groups}
-    optimizer = {"type": _kind(kinds, group_hyper, self.opt), "step": step, "groups": group_hyper}
-    jax_only = self._jax_only(states, set(groups))
-    if jax_only:
-      optimizer["jax_only"] = jax_only
+    optimizer = _schema.Optimizer(
+      type=_kind(kinds, group_hyper, self.opt),
+      step=step,
+      groups=tuple(map(_schema.GroupEntry, group_hyper)),
+      jax_only=tuple(self._jax_only(states, set(groups))),
+    )
     order = {rel: i for i, rel in enumerate(self.model)}  # the tree's order, as saved
-    schema = {
-      "version": 1,
-      "naming": "flax",
-      "params": dict(sorted(params.items(), key=lambda kv: order[kv[0]])),
-      "buffers": buffers,
-      "optimizer": optimizer,
-      "extra": {},
-    }
-    return TrainState(schema, step)
+    ordered = dict(sorted(params.items(), key=lambda kv: order[kv[0]]))
+    return TrainState(_schema.Schema(ordered, buffers, optimizer, naming="flax"), step)
 
   def _states(self) -> dict[str, dict[str, dict[str, str]]]:
     """Optax state node -> field -> {parameter: key}, for every field keyed like the model.

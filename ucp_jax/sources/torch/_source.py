@@ -26,12 +26,12 @@ import numpy as np
 
 from ucp_jax.base._errors import SourceFormatError
 from ucp_jax.sources import _files
-from ucp_jax.sources._source_plan import Param, Plan, jsonable, number
+from ucp_jax.sources._source_plan import Plan, SourceParam, jsonable, number
 from ucp_jax.sources._torch_reader import _optimizer, _torch_file
 from ucp_jax.sources._torch_reader._optimizer import whole
 from ucp_jax.sources._torch_reader._state_dict import SUFFIXES, aliases, is_buffer, tensors
 from ucp_jax.sources._torch_reader._torch_file import is_tensor
-from ucp_jax.store import _untrusted
+from ucp_jax.store import _schema, _untrusted
 
 NAME = "torch"
 DESCRIPTION = (
@@ -81,7 +81,8 @@ def describe(path: str, *, param_names: list[list[str]] | None = None) -> Plan:
   buffers = {n: whole(a, f"{file}: {prefix}[{n!r}]") for n, a in arrays.items() if is_buffer(n)}
   ties = aliases({n: a for n, a in arrays.items() if n not in buffers})
   kept = [n for n in arrays if n not in ties and n not in buffers]
-  optimizer, extra, step = {}, {}, None
+  optimizer: _schema.Optimizer | None = None
+  extra, step = {}, None
   held: dict[str, _optimizer.Held] = {}
   if osd is not None:
     shapes = {n: tuple(arrays[n].shape) for n in kept}
@@ -93,7 +94,7 @@ def describe(path: str, *, param_names: list[list[str]] | None = None) -> Plan:
     where = f"{file}: {prefix}[{name!r}]"
     h = held.get(name)
     params.append(
-      Param(
+      SourceParam(
         name=name,
         value=whole(arrays[name], where),
         slots={} if h is None else h.slots,
@@ -101,7 +102,7 @@ def describe(path: str, *, param_names: list[list[str]] | None = None) -> Plan:
         frozen=osd is not None and h is None,
       )
     )
-  params += [Param(name=alias, value=None, tied_to=holder) for alias, holder in ties.items()]
+  params += [SourceParam(name=alias, value=None, tied_to=holder) for alias, holder in ties.items()]
   step = _wrapper_step(rest, step)
   return Plan(
     params=params,

@@ -1,4 +1,4 @@
-"""The parameter schema of a checkpoint, checked and resolved for export.
+"""The parameter schema of a checkpoint, resolved for an export.
 
 `plan(ckpt)` reads the manifest's schema (docs/schema.md), checks it against the
 stored arrays and returns an `ExportPlan`: which array is which parameter, slot,
@@ -9,14 +9,14 @@ before any array is read.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from ucp_jax.base import _errors
-from ucp_jax.store import _checkpoint, _reader
+from ucp_jax.store import _checkpoint, _reader, _schema
 
-SCHEMA_VERSION = 1
 ADAM_SLOTS = ("exp_avg", "exp_avg_sq")
 _ADAM_TYPES = ("adam", "adamw")
 
@@ -49,14 +49,14 @@ def inferred(ckpt: _checkpoint.Checkpoint) -> tuple[_checkpoint.Checkpoint, str 
     return Tensor(info.shape, np.dtype(info.dtype), pieces, f"{ckpt.location}/{key}", info=kind)
 
   found = _train_state.infer({key: tensor(key) for key in ckpt.keys()}, None).schema
-  if not found or not any(not p.get("frozen") for p in found["params"].values()):
+  if found is None or found.optimizer is None or not found.trainable:
     return ckpt, None  # a model alone, or no optimizer state found: nothing to go on
-  manifest = dataclasses.replace(ckpt.manifest, schema=found)
+  manifest = dataclasses.replace(ckpt.manifest, schema=_schema.written(found, str(ckpt.location)))
   note = (
     "the checkpoint recorded no parameter schema: it was found from the training state's "
     "keys (the parameters, their optimizer slots and step)"
   )
-  if not any(found["optimizer"]["groups"]):
+  if not any(g.values for g in found.optimizer.groups):
     note += (
       "; no hyperparameters are in the state (no optax.inject_hyperparams): save with "
       "UcpSave.train_state or save_train_state to record them"
@@ -65,8 +65,9 @@ def inferred(ckpt: _checkpoint.Checkpoint) -> tuple[_checkpoint.Checkpoint, str 
 
 
 @dataclasses.dataclass(frozen=True)
-class Param:
-  """One parameter: its value's key, its slots' keys (trainable only), its group."""
+class StoredParam:
+  """One parameter as a checkpoint stores it: its value's key, shape and dtype, its slots'
+  keys (trainable only), its group."""
 
   name: str
   value: str
@@ -80,10 +81,10 @@ class Param:
 class ExportPlan:
   """What an export writes, resolved from the schema and checked against the arrays."""
 
-  trainable: tuple[Param, ...]
-  frozen: tuple[Param, ...]
+  trainable: tuple[StoredParam, ...]
+  frozen: tuple[StoredParam, ...]
   tied: dict[str, str]  # alias -> the parameter that holds the data
-  buffers: tuple[Param, ...]
+  buffers: tuple[StoredParam, ...]
   groups: tuple[dict[str, Any], ...]  # hyperparameters per param group (no `params`, `step`)
   optimizer_type: str
   step: int
@@ -105,8 +106,8 @@ def plan(ckpt: _checkpoint.Checkpoint) -> ExportPlan:
   Raises:
     MappingError: no schema, or a schema with problems (all of them listed).
   """
-  schema = ckpt.manifest.schema
-  if not isinstance(schema, dict):
+  schema = ckpt.manifest.typed_schema
+  if schema is None:
     raise _errors.MappingError(
       f"{ckpt.location}: this checkpoint has no parameter schema, so it does not say which "
       "array is which parameter, optimizer slot (exp_avg, exp_avg_sq) or buffer, nor the "
@@ -114,33 +115,31 @@ def plan(ckpt: _checkpoint.Checkpoint) -> ExportPlan:
     )
   problems: list[str] = []
   checker = _Checker(ckpt, problems)
-  version = schema.get("version")
-  if version != SCHEMA_VERSION:
-    problems.append(f"schema version {version!r}; this ucp_jax exports version {SCHEMA_VERSION}")
-  naming = schema.get("naming", "torch")
-  _check_torch_names(ckpt, naming)
-  optimizer = schema.get("optimizer")
+  if schema.version != _schema.VERSION:
+    problems.append(
+      f"schema version {schema.version!r}; this ucp_jax exports version {_schema.VERSION}"
+    )
+  _check_torch_names(ckpt, schema.naming)
   _check_has_optimizer_state(ckpt, schema)
-  if not isinstance(optimizer, dict):
+  optimizer = schema.optimizer
+  if optimizer is None:
     problems.append("no `optimizer` entry (type, step, groups)")
-    optimizer = {}
-  groups = _groups(optimizer.get("groups"), problems)
-  opt_type = str(optimizer.get("type", "adamw")).lower()
+    optimizer = _schema.Optimizer(step=0, groups=(_schema.GroupEntry(),))
+  groups = _groups(optimizer.groups, problems)
+  opt_type = optimizer.type.lower()
   if opt_type in ("adam", "adamw"):  # torch's key for it: DeepSpeed sets it on the loading group
     groups = [{"decoupled_weight_decay": opt_type == "adamw", **g} for g in groups]
-  step = optimizer.get("step")
-  if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+  step = optimizer.step
+  if step is None or step < 0:
     problems.append(f"optimizer step {step!r}: expected an integer >= 0")
     step = 0
-  params = schema.get("params")
-  if not isinstance(params, dict) or not params:
+  if not schema.params:
     problems.append("no `params` entry, or an empty one")
-    params = {}
-  trainable, frozen, tied = checker.params(params, len(groups))
+  trainable, frozen, tied = checker.params(schema.params, len(groups))
   required = ADAM_SLOTS if opt_type in _ADAM_TYPES else ()
   _check_slots(trainable, required, problems)
-  buffers = checker.buffers(schema.get("buffers") or {})
-  not_carried = _jax_only(optimizer.get("jax_only") or [], problems)
+  buffers = checker.buffers(schema.buffers)
+  not_carried = _jax_only(optimizer.jax_only, problems)
   if problems:
     raise _errors.MappingError(
       f"{ckpt.location}: cannot export: {len(problems)} problem(s) in the parameter schema:\n"
@@ -156,13 +155,13 @@ def plan(ckpt: _checkpoint.Checkpoint) -> ExportPlan:
     groups=tuple(groups),
     optimizer_type=opt_type,
     step=step,
-    extra=dict(schema.get("extra") or {}),
+    extra=dict(schema.extra),
     nbytes=sum(ckpt[k].nbytes for k in read),
     not_carried=tuple(not_carried),
   )
 
 
-def _check_torch_names(ckpt: _checkpoint.Checkpoint, naming: Any) -> None:
+def _check_torch_names(ckpt: _checkpoint.Checkpoint, naming: str) -> None:
   """Raises unless the schema names parameters the torch way (then every name would be wrong
   for this one reason: it is said once, not once per parameter)."""
   if naming != "torch":
@@ -177,20 +176,18 @@ def _check_torch_names(ckpt: _checkpoint.Checkpoint, naming: Any) -> None:
 class WeightsPlan:
   """The model's arrays only (for formats without optimizer state), checked like `plan`'s."""
 
-  params: tuple[Param, ...]  # trainable and frozen, in the schema's order
+  params: tuple[StoredParam, ...]  # trainable and frozen, in the schema's order
   frozen: tuple[str, ...]  # the names of the frozen ones
   tied: dict[str, str]  # alias -> the parameter that holds the data
-  buffers: tuple[Param, ...]
+  buffers: tuple[StoredParam, ...]
   nbytes: int
 
 
-def _check_has_optimizer_state(ckpt: _checkpoint.Checkpoint, schema: dict) -> None:
+def _check_has_optimizer_state(ckpt: _checkpoint.Checkpoint, schema: _schema.Schema) -> None:
   """One error for a checkpoint of weights alone (a Hugging Face folder, a state dict), not
   a problem per parameter: no optimizer entry, and no parameter with a slot."""
-  optimizer, params = schema.get("optimizer"), schema.get("params")
-  if optimizer not in (None, {}) or not isinstance(params, dict) or not params:
-    return
-  if any(isinstance(p, dict) and p.get("slots") for p in params.values()):
+  params = schema.params
+  if schema.optimizer is not None or not params or any(p.slots for p in params.values()):
     return
   raise _errors.MappingError(
     f"{ckpt.location}: holds weights alone ({len(params)} parameters, no optimizer state: no "
@@ -209,23 +206,21 @@ def weights(ckpt: _checkpoint.Checkpoint) -> WeightsPlan:
   Raises:
     MappingError: no schema, or one with problems (all of them listed).
   """
-  schema = ckpt.manifest.schema
-  if not isinstance(schema, dict):
+  schema = ckpt.manifest.typed_schema
+  if schema is None:
     raise _errors.MappingError(
       f"{ckpt.location}: this checkpoint has no parameter schema, so it does not say which "
       "array is which parameter or buffer. " + HOW_TO_GET_A_SCHEMA
     )
   problems: list[str] = []
   checker = _Checker(ckpt, problems)
-  _check_torch_names(ckpt, schema.get("naming", "torch"))
-  params = schema.get("params")
-  if not isinstance(params, dict) or not params:
+  _check_torch_names(ckpt, schema.naming)
+  if not schema.params:
     problems.append("no `params` entry, or an empty one")
-    params = {}
-  trainable, frozen, tied = checker.params(params, None)
+  trainable, frozen, tied = checker.params(schema.params, None)
   by_name = {p.name: p for p in (*trainable, *frozen)}
-  ordered = [by_name[name] for name in params if name in by_name]
-  buffers = checker.buffers(schema.get("buffers") or {})
+  ordered = [by_name[name] for name in schema.params if name in by_name]
+  buffers = checker.buffers(schema.buffers)
   if problems:
     raise _errors.MappingError(
       f"{ckpt.location}: cannot export: {len(problems)} problem(s) in the parameter schema:\n"
@@ -240,15 +235,13 @@ def weights(ckpt: _checkpoint.Checkpoint) -> WeightsPlan:
   )
 
 
-def _groups(groups: Any, problems: list[str]) -> list[dict[str, Any]]:
-  if not isinstance(groups, list) or not groups or not all(isinstance(g, dict) for g in groups):
+def _groups(groups: tuple[_schema.GroupEntry, ...], problems: list[str]) -> list[dict[str, Any]]:
+  if not groups:
     problems.append("optimizer `groups`: expected a non-empty list of hyperparameter dicts")
     return []
   out = []
   for group in groups:
-    # `step` is the group's optimizer step (the converters record it per group), not a
-    # hyperparameter; `params` are the source's indices.
-    hyper = {k: v for k, v in group.items() if k not in ("params", "step")}
+    hyper = group.hyperparameters
     if isinstance(hyper.get("betas"), list):
       hyper["betas"] = tuple(hyper["betas"])  # torch's own type; JSON turned it into a list
     out.append(hyper)
@@ -258,10 +251,10 @@ def _groups(groups: Any, problems: list[str]) -> list[dict[str, Any]]:
 def check_jax_only(ckpt: _checkpoint.Checkpoint) -> None:
   """Raises what `plan` would about optimizer state DeepSpeed has no names for, before a
   Flax-named checkpoint is mapped to torch names (where it would show as missing slots)."""
-  optimizer = (ckpt.manifest.schema or {}).get("optimizer")
+  schema = ckpt.manifest.typed_schema
   problems: list[str] = []
-  if isinstance(optimizer, dict):
-    _jax_only(optimizer.get("jax_only") or [], problems)
+  if schema is not None and schema.optimizer is not None:
+    _jax_only(schema.optimizer.jax_only, problems)
   if problems:
     raise _errors.MappingError(
       f"{ckpt.location}: cannot export: {len(problems)} problem(s) in the parameter schema:\n"
@@ -269,7 +262,7 @@ def check_jax_only(ckpt: _checkpoint.Checkpoint) -> None:
     )
 
 
-def _jax_only(entries: Any, problems: list[str]) -> list[str]:
+def _jax_only(entries: tuple[Mapping[str, Any], ...], problems: list[str]) -> list[str]:
   """State a JAX save holds that no DeepSpeed file can (`optimizer.jax_only`, docs/schema.md).
 
   Optimizer slots DeepSpeed has no names for are refused (its optimizer would restart
@@ -277,13 +270,7 @@ def _jax_only(entries: Any, problems: list[str]) -> list[str]:
   left out with a note.
   """
   notes = []
-  if not isinstance(entries, list):
-    problems.append(f"optimizer `jax_only`: expected a list, got {entries!r}")
-    return notes
   for entry in entries:
-    if not isinstance(entry, dict):
-      problems.append(f"optimizer `jax_only`: expected dict entries, got {entry!r}")
-      continue
     where, form = entry.get("state"), entry.get("form")
     if entry.get("export") == "drop" and form == "MultiStepsState":
       notes.append(
@@ -307,7 +294,9 @@ def _jax_only(entries: Any, problems: list[str]) -> list[str]:
   return notes
 
 
-def _check_slots(trainable: list[Param], required: tuple[str, ...], problems: list[str]) -> None:
+def _check_slots(
+  trainable: list[StoredParam], required: tuple[str, ...], problems: list[str]
+) -> None:
   """Every trainable parameter needs the optimizer's slots, and all the same ones."""
   wanted: dict[str, None] = dict.fromkeys(required)
   for p in trainable:
@@ -341,8 +330,8 @@ class _Checker:
     return tuple(info.shape), info.dtype
 
   def params(
-    self, params: dict, n_groups: int | None
-  ) -> tuple[list[Param], list[Param], dict[str, str]]:
+    self, params: Mapping[str, _schema.ParamEntry], n_groups: int | None
+  ) -> tuple[list[StoredParam], list[StoredParam], dict[str, str]]:
     """(trainable, frozen, tied) parameters; groups are checked against `n_groups` unless None."""
     trainable, frozen, tied = [], [], {}
     for name, entry in params.items():
@@ -351,39 +340,33 @@ class _Checker:
           f"`{name}`: not usable as a parameter name (empty, `.`, `..` or a `/`)"
         )
         continue
-      if not isinstance(entry, dict):
-        self._problems.append(f"`{name}`: expected a dict entry, got {entry!r}")
-        continue
-      target = entry.get("tied_to")
+      target = entry.tied_to
       if target is not None:
         real = params.get(target)
-        if not isinstance(real, dict) or real.get("tied_to") is not None:
+        if real is None or real.tied_to is not None:
           self._problems.append(f"`{name}`: tied to `{target}`, which is not an untied parameter")
         else:
           tied[name] = target
         continue
-      found = self._array(f"`{name}` value", entry.get("value"))
-      if found is None:
+      found = self._array(f"`{name}` value", entry.value)
+      if found is None or entry.value is None:
         continue
       shape, dtype = found
-      if entry.get("frozen", False):
-        frozen.append(Param(name, entry["value"], shape, dtype, {}, None))
+      if entry.frozen:
+        frozen.append(StoredParam(name, entry.value, shape, dtype, {}, None))
         continue
-      slots = self._slots(name, entry.get("slots") or {}, shape)
-      group = entry.get("group", 0)
+      slots = self._slots(name, entry.slots, shape)
+      group = 0 if entry.group is None else entry.group
       if n_groups is None:
         group = None
-      elif isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < n_groups:
+      elif not 0 <= group < n_groups:
         self._problems.append(
           f"`{name}`: group {group!r}, but the optimizer has {n_groups} group(s)"
         )
-      trainable.append(Param(name, entry["value"], shape, dtype, slots, group))
+      trainable.append(StoredParam(name, entry.value, shape, dtype, slots, group))
     return trainable, frozen, tied
 
-  def _slots(self, name: str, slots: Any, shape: tuple[int, ...]) -> dict[str, str]:
-    if not isinstance(slots, dict):
-      self._problems.append(f"`{name}` slots: expected a dict, got {slots!r}")
-      return {}
+  def _slots(self, name: str, slots: Mapping[str, str], shape: tuple[int, ...]) -> dict[str, str]:
     out = {}
     for slot, key in slots.items():
       found = self._array(f"`{name}` slot `{slot}`", key)
@@ -395,10 +378,7 @@ class _Checker:
       out[slot] = key
     return out
 
-  def buffers(self, buffers: Any) -> list[Param]:
-    if not isinstance(buffers, dict):
-      self._problems.append(f"`buffers`: expected a dict of name -> key, got {buffers!r}")
-      return []
+  def buffers(self, buffers: Mapping[str, str]) -> list[StoredParam]:
     out = []
     for name, key in buffers.items():
       if not valid_name(name):
@@ -406,5 +386,5 @@ class _Checker:
         continue
       found = self._array(f"buffer `{name}`", key)
       if found is not None:
-        out.append(Param(name, key, found[0], found[1], {}, None))
+        out.append(StoredParam(name, key, found[0], found[1], {}, None))
     return out
