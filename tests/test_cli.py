@@ -316,3 +316,27 @@ def test_version_names_the_package(capsys):
     cli.main(["--version"])
   assert exit_info.value.code == 0
   assert capsys.readouterr().out.startswith("ucp_jax ")
+
+
+def test_export_flags_come_from_each_sinks_options():
+  import dataclasses
+
+  from ucp_jax.cli import _main
+  from ucp_jax.sinks import _registry as sinks
+
+  parser = _main.build_parser(["export"])
+  declared = {
+    f.name
+    for name in sinks.SINKS
+    for f in dataclasses.fields(sinks.get(name).Options)
+    if f.metadata["flag"]
+  }
+  assert declared == set(_main.sink_flags()) >= {"zero_stage", "ranks", "ocdbt", "dtype"}
+  args = parser.parse_args(
+    ["export", "c", "d", "--format", "orbax", "--ocdbt", "false", "--chunk-bytes", "4096"]
+  )
+  assert (args.ocdbt, args.chunk_bytes, args.ranks, args.nnx) == (False, 4096, None, None)
+  args = parser.parse_args(["export", "c", "d", "--format", "hf", "--max-shard-size", "2GB"])
+  assert args.max_shard_size == "2GB" and args.compression is None
+  with pytest.raises(SystemExit):
+    parser.parse_args(["export", "c", "d", "--format", "orbax", "--zarr3", "maybe"])

@@ -160,9 +160,11 @@ def _jax_uses(path: Path) -> list[tuple[int, str]]:
       names = [a.name for a in node.names]
     elif isinstance(node, ast.ImportFrom) and node.level == 0:
       names = [node.module or ""]
-    elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-      names = [node.value] if node.value.split(".")[0] in NO_JAX else []
-      names = [n for n in names if n == n.strip() and " " not in n]  # a module name, not prose
+    elif isinstance(node, ast.Call):  # importlib.import_module("jax"), sys.modules.get("jax")
+      names = [a.value for a in node.args if isinstance(a, ast.Constant)]
+    elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+      names = [node.slice.value]  # sys.modules["jax"]
+    names = [n for n in names if isinstance(n, str) and n == n.strip() and " " not in n]
     if any(n.split(".")[0] in NO_JAX for n in names):
       out.append((node.lineno, ast.get_source_segment(source, node) or names[0]))
   return out
@@ -193,6 +195,8 @@ def test_the_jax_check_sees_every_way_in(tmp_path):
     module.write_text(code + "\n")
     assert _jax_uses(module), code
   module.write_text('"""Knows nothing of jax meshes."""\nimport numpy, tensorstore, ml_dtypes\n')
+  assert not _jax_uses(module)
+  module.write_text('NAMINGS = ("torch", "flax")  # a value that names no module to import\n')
   assert not _jax_uses(module)
 
 

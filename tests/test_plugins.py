@@ -85,6 +85,24 @@ def test_the_commands_use_a_source_and_a_sink_from_entry_points(tmp_path, arrays
   )
   assert np.load(tmp_path / "out" / "step.npy") == 7
 
+  shown = _ucp(site, "export", "--help").stdout  # the sink's Options, as flags
+  assert "--cast CAST" in shown and "npy: cast every array to this numpy dtype" in shown
+  cast = tmp_path / "cast"
+  _ucp(site, "export", str(tmp_path / "universal"), str(cast), "--format", "npy", "--cast", "f2")
+  assert np.load(cast / "params" / "w.npy").dtype == np.float16
+  refused = _ucp(
+    site,
+    "export",
+    str(tmp_path / "universal"),
+    str(tmp_path / "x"),
+    "--format",
+    "dcp",
+    "--cast",
+    "f2",
+    check=False,
+  )
+  assert "format 'dcp' takes no cast; its options: ranks" in refused.stderr
+
 
 def test_without_the_package_the_format_is_unknown(tmp_path, arrays):
   folder, _ = arrays
@@ -157,7 +175,14 @@ def test_the_built_in_formats_declare_every_member():
     "sniff_weak",
     "describe",
   )
-  assert sinks.SINKS.members == ("NAME", "DESCRIPTION", "TORCH_NAMES", "check_options", "export")
+  assert sinks.SINKS.members == (
+    "NAME",
+    "DESCRIPTION",
+    "TORCH_NAMES",
+    "Options",
+    "check_options",
+    "export",
+  )
   assert [sources.get(n).NAME for n in sources.SOURCES] == list(sources.SOURCES)
   assert [sinks.get(n).NAME for n in sinks.SINKS] == list(sinks.SINKS)
   members = {m: getattr(sources.get("hf"), m) for m in sources.SOURCES.members}

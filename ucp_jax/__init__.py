@@ -31,22 +31,10 @@ from ucp_jax.base._errors import TreeMismatchError as TreeMismatchError
 from ucp_jax.base._errors import UcpError as UcpError
 from ucp_jax.base._errors import UnsafePickleError as UnsafePickleError
 from ucp_jax.base._errors import UnsupportedLeafError as UnsupportedLeafError
-from ucp_jax.store import _lazy, _other_formats
+from ucp_jax.store import _lazy
 from ucp_jax.store._zarr_python import register_when_imported as _register_zarr_dtypes
 
 _register_zarr_dtypes()  # zarr-python reads bfloat16 and float8 arrays
-
-
-def _open_other_format(path, source):
-  """`ucp_jax.open` of any source format (the sources load on first use)."""
-  import ml_dtypes  # noqa: F401  (what the sources read may be bfloat16)
-
-  from ucp_jax.sources import _view
-
-  return _view.open_source(path, source)
-
-
-_other_formats.read_with(_open_other_format)
 
 # The rest loads on first use (PEP 562), so `ucp --help` starts without TensorStore, and
 # `ucp inspect`, `ucp convert` and the converters without JAX.

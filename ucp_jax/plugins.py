@@ -16,7 +16,9 @@ plugin's `NAME`), which ucp_jax reads once, on the first look-up, importing a pl
 when it is used. A name is taken once. docs/plugins.md has a complete example.
 """
 
+from ucp_jax.sinks._registry import NoOptions as NoOptions
 from ucp_jax.sinks._registry import Sink as Sink
+from ucp_jax.sinks._registry import option as option
 from ucp_jax.sinks._registry import register as register_sink
 from ucp_jax.sinks._report import ExportReport as ExportReport
 from ucp_jax.sources._registry import Source as Source
@@ -36,6 +38,7 @@ __all__ = [
   "ArrayInfo",
   "Checkpoint",
   "ExportReport",
+  "NoOptions",
   "GroupEntry",
   "Optimizer",
   "ParamEntry",
@@ -46,6 +49,7 @@ __all__ = [
   "Source",
   "Tensor",
   "lazy_tensor",
+  "option",
   "register_sink",
   "register_source",
 ]

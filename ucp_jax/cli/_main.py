@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -38,8 +39,10 @@ def _version() -> str:
     return "(not installed)"
 
 
-def build_parser() -> argparse.ArgumentParser:
-  """The `ucp` argument parser: one subparser per command."""
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+  """The `ucp` argument parser: one subparser per command. The export formats' flags come
+  from their sinks' `Options`, which are imported only when `argv` (None: any) may run
+  `export`: `ucp --help` imports no sink."""
   parser = argparse.ArgumentParser(
     prog="ucp",
     description="Universal checkpoints for JAX.",
@@ -50,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
   sub = parser.add_subparsers(dest="command", required=True)
   _add_inspect_and_verify(sub)
   _add_convert(sub)
-  _add_export(sub)
+  _add_export(sub, sink_flags=argv is None or "export" in argv)
   _add_diff(sub)
   p = sub.add_parser("demo", help="train, save, restore onto other meshes, compare with no restart")
   p.add_argument("--out", default="demo_out", help="where the checkpoints go (default: demo_out)")
@@ -100,7 +103,7 @@ def _add_convert(sub) -> None:
   p.add_argument("--process-id", type=int, help="with --coordinator: this process's number")
 
 
-def _add_export(sub) -> None:
+def _add_export(sub, sink_flags: bool) -> None:
   from ucp_jax.sinks import _registry as sinks
 
   p = sub.add_parser("export", help="a checkpoint -> another framework's format")
@@ -108,24 +111,48 @@ def _add_export(sub) -> None:
   p.add_argument("dst", help="where the export goes")
   p.add_argument("--format", required=True, choices=sorted(sinks.SINKS), help="the format to write")
   p.add_argument(
-    "--zero-stage", type=int, choices=[1, 2, 3], help="deepspeed: target ZeRO stage (default: all)"
-  )
-  p.add_argument("--tag", help="deepspeed: checkpoint tag (default: global_step<N>)")
-  p.add_argument(
     "--config",
     help="the model's Hugging Face config.json, which --rules hf reads and --format hf writes "
     "into the folder (default: the one the checkpoint recorded)",
   )
-  p.add_argument("--max-shard-size", help="hf: bytes per safetensors file (default: 5GB)")
-  p.add_argument("--dtype", help="hf: cast floating-point weights (bfloat16, float16, float32)")
+  if sink_flags:
+    _add_sink_flags(p)
   p.add_argument(
     "--option",
     action="append",
     metavar="KEY=VALUE",
-    help="any other option of the format (docs/export.md), e.g. ocdbt=false for orbax",
+    help="an option of the format as JSON (docs/export.md), e.g. ocdbt=false for orbax",
   )
   p.add_argument("--overwrite", action="store_true", help="replace an export at DST")
   p.add_argument("--rules", help=_RULES_HELP)
+
+
+def sink_flags() -> dict[str, list[tuple[str, Any]]]:
+  """Every export flag the sinks' `Options` declare: field name -> [(sink name, field)]."""
+  from ucp_jax.sinks import _registry as sinks
+
+  flags: dict[str, list[tuple[str, Any]]] = {}
+  for name in sinks.SINKS:
+    for field in sinks.option_fields(sinks.get(name)):
+      if field.metadata.get("flag", True):
+        flags.setdefault(field.name, []).append((name, field))
+  return flags
+
+
+def _add_sink_flags(p: argparse.ArgumentParser) -> None:
+  from ucp_jax.sinks import _registry as sinks
+
+  for option, fields in sink_flags().items():
+    field = fields[0][1]
+    parse = sinks.flag_parser(field)
+    p.add_argument(
+      f"--{option.replace('_', '-')}",
+      dest=option,
+      type=parse,
+      choices=field.metadata.get("choices"),
+      metavar="{true,false}" if parse is sinks.true_or_false else None,
+      help="; ".join(f"{sink}: {f.metadata.get('help', '')}" for sink, f in fields),
+    )
 
 
 _RULES_HELP = (
@@ -162,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
   err = Console(stderr=True, highlight=False, soft_wrap=True)
   try:
     _startup.done()
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     out = Console(
       highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else _PIPED_WIDTH
     )

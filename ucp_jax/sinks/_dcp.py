@@ -27,6 +27,7 @@ in one rename (`_folder.staged`). torch is imported here, lazily (an optional ex
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
@@ -38,6 +39,7 @@ import numpy as np
 
 from ucp_jax.base import _errors
 from ucp_jax.sinks import _folder, _resolved
+from ucp_jax.sinks._registry import option
 from ucp_jax.sinks._report import ExportReport
 from ucp_jax.store import _checkpoint
 
@@ -52,10 +54,20 @@ _ML_DTYPES_AS = {"bfloat16": "uint16", "float8_e4m3fn": "uint8", "float8_e5m2": 
 _TORCH_OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}
 
 
-def check_options(dst: str | os.PathLike, *, overwrite: bool, ranks: int = 1) -> None:
-  """Raises for a bad option or a destination in the way (see `export`)."""
-  if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= 65536:
-    raise _errors.InvalidArgumentError(f"ranks={ranks!r}: a number of rank files from 1 to 65536")
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """How a DCP export lays out its files."""
+
+  ranks: int = option(1, "the number of rank files (__R_0.distcp) the rows are split over")
+
+  def __post_init__(self) -> None:
+    ranks = self.ranks
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= 65536:
+      raise _errors.InvalidArgumentError(f"ranks={ranks!r}: a number of rank files from 1 to 65536")
+
+
+def check_options(dst: str | os.PathLike, *, overwrite: bool, options: Options) -> None:
+  """Raises for a destination in the way (see `export`)."""
   check_destination(dst, overwrite=overwrite)
 
 
@@ -65,7 +77,7 @@ def export(
   *,
   overwrite: bool,
   progress: Callable[[str, int, int], None] | None,
-  ranks: int = 1,
+  options: Options | None = None,
 ) -> ExportReport:
   """Writes `ckpt` (torch names) as a DCP folder; see the module docstring.
 
@@ -74,11 +86,12 @@ def export(
     dst: the folder to create (or an earlier DCP export to replace, with `overwrite`).
     overwrite: replace an earlier DCP export at `dst`.
     progress: called as `progress(key, nbytes, total)` after each array.
-    ranks: how many rank files to write, each tensor's dimension 0 cut in as many row
-      blocks (as FSDP2 shards it on that many ranks); any number of ranks loads any.
+    options: `ranks`, how many rank files to write, each tensor's dimension 0 cut in as many
+      row blocks (as FSDP2 shards it on that many ranks); any number of ranks loads any.
   """
+  options = Options() if options is None else options
   start = time.perf_counter()
-  check_options(dst, overwrite=overwrite, ranks=ranks)
+  ranks = options.ranks
   dst = check_destination(dst, overwrite=overwrite)
   torch = import_torch()
   schema = ckpt.manifest.typed_schema

@@ -22,6 +22,7 @@ with `torch.load(weights_only=True)`. torch is imported here, lazily: it is an o
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import shutil
 import time
@@ -32,6 +33,7 @@ import numpy as np
 
 from ucp_jax.base import _errors
 from ucp_jax.sinks import _folder, _moe_sink, _resolved
+from ucp_jax.sinks._registry import option
 from ucp_jax.sinks._report import ExportReport
 from ucp_jax.store import _checkpoint, _schema
 
@@ -125,15 +127,24 @@ def _shown(root: str, name: str) -> str:
   return name + ("/" if os.path.isdir(os.path.join(root, name)) else "")
 
 
-def check_options(
-  dst: str | os.PathLike, *, overwrite: bool, zero_stage: int | None = None, tag: str | None = None
-) -> None:
-  """Raises for a bad `zero_stage` or `tag`, or a destination in the way (see `export`)."""
-  if zero_stage is not None and (isinstance(zero_stage, bool) or zero_stage not in (1, 2, 3)):
-    raise _errors.InvalidArgumentError(
-      f"zero_stage {zero_stage!r}: expected 1, 2, 3 or None (all stages)"
-    )
-  check_destination(dst, overwrite=overwrite, tag=tag)
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """What a DeepSpeed export writes besides the checkpoint."""
+
+  zero_stage: int | None = option(None, "target ZeRO stage (default: all)", choices=(1, 2, 3))
+  tag: str | None = option(None, "checkpoint tag (default: global_step<N>)")
+
+  def __post_init__(self) -> None:
+    stage = self.zero_stage
+    if stage is not None and (isinstance(stage, bool) or stage not in (1, 2, 3)):
+      raise _errors.InvalidArgumentError(
+        f"zero_stage {stage!r}: expected 1, 2, 3 or None (all stages)"
+      )
+
+
+def check_options(dst: str | os.PathLike, *, overwrite: bool, options: Options) -> None:
+  """Raises for a bad `tag`, or a destination in the way (see `export`)."""
+  check_destination(dst, overwrite=overwrite, tag=options.tag)
 
 
 def export(
@@ -142,16 +153,17 @@ def export(
   *,
   overwrite: bool,
   progress: Callable[[str, int, int], None] | None,
-  zero_stage: int | None = None,
-  tag: str | None = None,
+  options: Options | None = None,
 ) -> ExportReport:
   """Writes a DeepSpeed universal checkpoint of `ckpt` (torch names) at `dst`.
 
   Written to a staging directory beside `dst`, then renamed into place.
   """
-  check_options(dst, overwrite=overwrite, zero_stage=zero_stage, tag=tag)
+  options = Options() if options is None else options
+  tag = options.tag
   dst = check_destination(dst, overwrite=overwrite, tag=tag)
-  return write(ckpt, _resolved.plan(ckpt), dst, zero_stage=zero_stage, tag=tag, progress=progress)
+  plan = _resolved.plan(ckpt)
+  return write(ckpt, plan, dst, zero_stage=options.zero_stage, tag=tag, progress=progress)
 
 
 def write(

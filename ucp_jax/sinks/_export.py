@@ -56,9 +56,10 @@ def export(
       (`"gpt2:num_heads=4"`, `"hf"`; docs/mapping.md); it runs backwards to give DeepSpeed
       torch names and layouts for every parameter and optimizer slot.
     progress: called as `progress(item, nbytes, total_nbytes)` after each item is written.
-    **options: the format's own options. DeepSpeed: `zero_stage` (the target's ZeRO stage:
-      1 or 2, one layout; 3; or None for all of them) and `tag` (default
-      `global_step<N>` with N the engine's global step).
+    **options: the format's own options, the fields of its sink's `Options`
+      (docs/export.md). DeepSpeed: `zero_stage` (the target's ZeRO stage: 1 or 2, one layout;
+      3; or None for all of them) and `tag` (default `global_step<N>` with N the engine's
+      global step).
 
   Returns:
     An `ExportReport`, including the gaps DeepSpeed's loader leaves (`notes`).
@@ -72,8 +73,8 @@ def export(
     MissingDependencyError: torch is not installed (`pip install ucp_jax[torch]`).
   """
   sink = _registry.get(format)
-  _registry.check_option_names(sink, options)
-  sink.check_options(dst, overwrite=overwrite, **options)  # before anything is read
+  chosen = _registry.options_of(sink, options)
+  sink.check_options(dst, overwrite=overwrite, options=chosen)  # before anything is read
   opened = ckpt if isinstance(ckpt, _checkpoint.Checkpoint) else _reader.open(ckpt)
   opened, inferred = _resolved.inferred(opened)
   schema = opened.manifest.typed_schema
@@ -86,7 +87,9 @@ def export(
   if rules is not None and naming != "torch":
     _resolved.check_jax_only(opened)
     opened = _flax_names.torch_named(opened, rules)
-  report = sink.export(opened, os.fspath(dst), overwrite=overwrite, progress=progress, **options)
+  report = sink.export(
+    opened, os.fspath(dst), overwrite=overwrite, progress=progress, options=chosen
+  )
   notes = [inferred] if inferred else []
   if rules is not None and naming == "torch":
     notes.append("rules were not used: the checkpoint's parameters already have torch names")

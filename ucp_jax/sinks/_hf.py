@@ -15,6 +15,7 @@ the checkpoint's arrays one at a time (host memory: the largest array), and sync
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -26,8 +27,8 @@ import numpy as np
 
 from ucp_jax.base import _errors
 from ucp_jax.sinks import _folder, _resolved
+from ucp_jax.sinks._registry import option
 from ucp_jax.sinks._report import ExportReport
-from ucp_jax.sources import hf as hf_source
 from ucp_jax.store import _checkpoint, _untrusted
 
 NAME = "hf"
@@ -40,19 +41,43 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
-def check_options(
-  dst: str | os.PathLike,
-  *,
-  overwrite: bool,
-  config: str | os.PathLike | dict | None = None,
-  max_shard_size: int | str = DEFAULT_MAX_SHARD,
-  dtype: str | None = None,
-) -> None:
-  """Raises for a bad option or a destination in the way (see `export`)."""
-  shard_bytes(max_shard_size)
-  _dtype(dtype)
-  if config is not None and not isinstance(config, dict):
-    _read_config(config)
+def _hf_source():
+  """The Hugging Face source's names and limits, imported when used: the sink's `Options`
+  load with the `ucp export` flags, which import no TensorStore."""
+  from ucp_jax.sources import hf
+
+  return hf
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """What goes into a Hugging Face model folder besides the weights, and how.
+
+  Attributes:
+    config: the model's `config.json` (a path or a dict); default: the one the checkpoint
+      recorded from its source (`manifest.source["config"]`), if any.
+    max_shard_size: bytes per safetensors file, an int or `save_pretrained`'s strings
+      ("5GB", "500MB", "2GiB"); larger models are sharded with an index.
+    dtype: cast every floating-point array to this dtype ("bfloat16", "float16",
+      "float32"); default: as stored (fp32 masters stay fp32).
+  """
+
+  # `ucp export --config` is the command's own flag: it feeds `--rules hf` too
+  config: str | os.PathLike | dict | None = option(None, "the model's config.json", flag=False)
+  max_shard_size: int | str = option(
+    DEFAULT_MAX_SHARD, "bytes per safetensors file (default: 5GB)", parse=str
+  )
+  dtype: str | None = option(None, "cast floating-point weights (bfloat16, float16, float32)")
+
+  def __post_init__(self) -> None:
+    shard_bytes(self.max_shard_size)
+    _dtype(self.dtype)
+    if self.config is not None and not isinstance(self.config, dict):
+      _read_config(self.config)
+
+
+def check_options(dst: str | os.PathLike, *, overwrite: bool, options: Options) -> None:
+  """Raises for a destination in the way (see `export`)."""
   check_destination(dst, overwrite=overwrite)
 
 
@@ -62,9 +87,7 @@ def export(
   *,
   overwrite: bool,
   progress: Callable[[str, int, int], None] | None,
-  config: str | os.PathLike | dict | None = None,
-  max_shard_size: int | str = DEFAULT_MAX_SHARD,
-  dtype: str | None = None,
+  options: Options | None = None,
 ) -> ExportReport:
   """Writes `ckpt`'s parameters and buffers (torch names) as a Hugging Face model folder.
 
@@ -73,15 +96,11 @@ def export(
     dst: the folder to create (or an earlier HF export to replace, with `overwrite`).
     overwrite: replace an earlier HF export at `dst`.
     progress: called as `progress(name, nbytes, total)` after each tensor.
-    config: the model's `config.json` (a path or a dict); default: the one the checkpoint
-      recorded from its source (`manifest.source["config"]`), if any.
-    max_shard_size: bytes per safetensors file, an int or `save_pretrained`'s strings
-      ("5GB", "500MB", "2GiB"); larger models are sharded with an index.
-    dtype: cast every floating-point array to this dtype ("bfloat16", "float16",
-      "float32"); default: as stored (fp32 masters stay fp32).
+    options: the config, shard size and dtype (`Options`).
   """
+  options = Options() if options is None else options
   start = time.perf_counter()
-  check_options(dst, overwrite=overwrite, config=config, max_shard_size=max_shard_size, dtype=dtype)
+  config, max_shard_size, dtype = options.config, options.max_shard_size, options.dtype
   dst = check_destination(dst, overwrite=overwrite)
   weights = _resolved.weights(ckpt)
   target = _dtype(dtype)
@@ -138,7 +157,7 @@ def _write_folder(ckpt, dst: str, shards, target, config: dict | None, progress)
     if len(shards) > 1:
       index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
       _folder.write_file(
-        os.path.join(staging, "model" + hf_source.INDEX_SUFFIX),
+        os.path.join(staging, "model" + _hf_source().INDEX_SUFFIX),
         [json.dumps(index, indent=2).encode()],
       )
     if config is not None:
@@ -156,7 +175,7 @@ def check_destination(dst: str | os.PathLike, *, overwrite: bool) -> str:
 
 
 def _not_an_export(path: str) -> list[str]:
-  ours = ("config.json", "model" + hf_source.INDEX_SUFFIX)
+  ours = ("config.json", "model" + _hf_source().INDEX_SUFFIX)
   return _folder.foreign_entries(path, NAME, "an HF export", ours=ours)
 
 
@@ -189,7 +208,7 @@ def _dtype(dtype: str | None) -> np.dtype | None:
 
 def _floating(dtype: np.dtype) -> bool:
   """A floating-point dtype safetensors names (F16, BF16, F32, F64, the F8 types)."""
-  return hf_source.DTYPE_NAMES.get(np.dtype(dtype), "").startswith(("F", "BF"))
+  return _hf_source().DTYPE_NAMES.get(np.dtype(dtype), "").startswith(("F", "BF"))
 
 
 def _cast(dtype: str, target: np.dtype | None) -> np.dtype:
@@ -223,7 +242,7 @@ def _write_safetensors(ckpt, path: str, shard, target, report) -> None:
     dtype = _cast(info.dtype, target)
     nbytes = _nbytes(info, target)
     header[name] = {
-      "dtype": hf_source.DTYPE_NAMES[dtype],
+      "dtype": _hf_source().DTYPE_NAMES[dtype],
       "shape": list(info.shape),
       "data_offsets": [offset, offset + nbytes],
     }
@@ -259,12 +278,12 @@ def _read_config(path: str | os.PathLike) -> dict:
     path = os.path.join(path, "config.json")
   try:
     with _untrusted.open_regular(path, _errors.InvalidArgumentError) as f:
-      raw = f.read(hf_source.MAX_CONFIG_BYTES + 1)
+      raw = f.read(_hf_source().MAX_CONFIG_BYTES + 1)
   except OSError as e:
     raise _errors.InvalidArgumentError(f"config={path!r}: not a readable config.json ({e})") from e
-  if len(raw) > hf_source.MAX_CONFIG_BYTES:
-    raise _errors.InvalidArgumentError(f"{path}: larger than {hf_source.MAX_CONFIG_BYTES} bytes")
-  return hf_source.parse_config(raw, path, _errors.InvalidArgumentError)
+  if len(raw) > _hf_source().MAX_CONFIG_BYTES:
+    raise _errors.InvalidArgumentError(f"{path}: larger than {_hf_source().MAX_CONFIG_BYTES} bytes")
+  return _hf_source().parse_config(raw, path, _errors.InvalidArgumentError)
 
 
 def _with_dtype(config: dict, ckpt, keys: list[str], target) -> tuple[dict, str | None]:

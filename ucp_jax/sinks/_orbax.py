@@ -35,6 +35,7 @@ import numpy as np
 
 from ucp_jax.base import _errors
 from ucp_jax.sinks import _folder
+from ucp_jax.sinks._registry import option
 from ucp_jax.sinks._report import ExportReport
 from ucp_jax.store import _checkpoint, _keypath, _zarr
 
@@ -48,52 +49,15 @@ BLOCK_BYTES = 64 << 20
 _PY_TYPES = {"bool": bool, "int": int, "float": float, "complex": complex}
 
 
-def check_options(
-  dst: str | os.PathLike,
-  *,
-  overwrite: bool,
-  nnx: bool | None = None,
-  ocdbt: bool = True,
-  zarr3: bool = False,
-  compression: str | None = "zstd",
-  chunk_bytes: int = _zarr.CHUNK_BYTES,
-  target: Any = None,
-) -> None:
-  """Raises for a bad option or a destination in the way (see `export`)."""
-  problems = [
-    f"{name}={value!r}: true or false" + (" (or None: as the checkpoint records)" if none else "")
-    for name, value, none in (("nnx", nnx, True), ("ocdbt", ocdbt, False), ("zarr3", zarr3, False))
-    if not (isinstance(value, bool) or (none and value is None))
-  ]
-  if compression not in (None, "zstd"):
-    problems.append(f"compression={compression!r}: 'zstd' (Orbax's default) or None")
-  if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
-    problems.append(f"chunk_bytes={chunk_bytes!r}: a positive number of bytes")
-  if problems:
-    raise _errors.InvalidArgumentError("; ".join(problems))
-  check_destination(dst, overwrite=overwrite)
+def _none_or_text(text: str) -> str | None:
+  return None if text.lower() in ("none", "null") else text
 
 
-def export(
-  ckpt: _checkpoint.Checkpoint,
-  dst: str,
-  *,
-  overwrite: bool,
-  progress: Callable[[str, int, int], None] | None,
-  nnx: bool | None = None,
-  ocdbt: bool = True,
-  zarr3: bool = False,
-  compression: str | None = "zstd",
-  chunk_bytes: int = _zarr.CHUNK_BYTES,
-  target: Any = None,
-) -> ExportReport:
-  """Writes every array of `ckpt` as an Orbax checkpoint of its tree.
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """How the Orbax checkpoint is laid out, and the tree it holds.
 
-  Args:
-    ckpt: the checkpoint (any `ucp_jax.open` reads: a ucp_jax checkpoint, an Orbax folder).
-    dst: the folder to create (or an earlier Orbax export to replace, with `overwrite`).
-    overwrite: replace an earlier Orbax export at `dst`.
-    progress: called as `progress(key, nbytes, total)` after each array is read.
+  Attributes:
     nnx: leaves as NNX Variable values (`KEY/value`), or not; None: as the checkpoint records.
     ocdbt: one OCDBT database (Orbax's default) rather than a folder per array.
     zarr3: zarr v3 arrays rather than v2 (Orbax's default).
@@ -104,13 +68,64 @@ def export(
       only placeholders): the export writes exactly its structure (containers, NNX
       Variables, empty nodes), each leaf from the checkpoint's key for its path. Default:
       the checkpoint's keys as nested dicts, in the shape an Orbax source recorded.
+  """
+
+  nnx: bool | None = option(None, "leaves as NNX Variable values (default: as recorded)")
+  ocdbt: bool = option(True, "one OCDBT database (default) rather than a folder per array")
+  zarr3: bool = option(False, "zarr v3 arrays rather than v2 (Orbax's default)")
+  compression: str | None = option("zstd", "zstd (default) or none", parse=_none_or_text)
+  chunk_bytes: int = option(_zarr.CHUNK_BYTES, "the largest chunk Orbax writes, in bytes")
+  target: Any = option(None, "the tree Orbax restores onto", flag=False)
+
+  def __post_init__(self) -> None:
+    problems = [
+      f"{name}={value!r}: true or false" + (" (or None: as the checkpoint records)" if none else "")
+      for name, value, none in (
+        ("nnx", self.nnx, True),
+        ("ocdbt", self.ocdbt, False),
+        ("zarr3", self.zarr3, False),
+      )
+      if not (isinstance(value, bool) or (none and value is None))
+    ]
+    if self.compression not in (None, "zstd"):
+      problems.append(f"compression={self.compression!r}: 'zstd' (Orbax's default) or None")
+    chunk_bytes = self.chunk_bytes
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+      problems.append(f"chunk_bytes={chunk_bytes!r}: a positive number of bytes")
+    if problems:
+      raise _errors.InvalidArgumentError("; ".join(problems))
+
+
+def check_options(dst: str | os.PathLike, *, overwrite: bool, options: Options) -> None:
+  """Raises for a destination in the way (see `export`)."""
+  check_destination(dst, overwrite=overwrite)
+
+
+def export(
+  ckpt: _checkpoint.Checkpoint,
+  dst: str,
+  *,
+  overwrite: bool,
+  progress: Callable[[str, int, int], None] | None,
+  options: Options | None = None,
+) -> ExportReport:
+  """Writes every array of `ckpt` as an Orbax checkpoint of its tree.
+
+  Args:
+    ckpt: the checkpoint (any `ucp_jax.open` reads: a ucp_jax checkpoint, an Orbax folder).
+    dst: the folder to create (or an earlier Orbax export to replace, with `overwrite`).
+    overwrite: replace an earlier Orbax export at `dst`.
+    progress: called as `progress(key, nbytes, total)` after each array is read.
+    options: the layout and tree (`Options`).
 
   Raises:
-    TreeMismatchError: `target`'s keys and the checkpoint's differ (all listed).
+    TreeMismatchError: `options.target`'s keys and the checkpoint's differ (all listed).
   """
+  options = Options() if options is None else options
   start = time.perf_counter()
-  options = dict(nnx=nnx, ocdbt=ocdbt, zarr3=zarr3, compression=compression)
-  check_options(dst, overwrite=overwrite, chunk_bytes=chunk_bytes, **options)
+  nnx, target = options.nnx, options.target
+  ocdbt, zarr3, compression = options.ocdbt, options.zarr3, options.compression
+  chunk_bytes = options.chunk_bytes
   dst = check_destination(dst, overwrite=overwrite)
   keys = ckpt.keys()
   if not keys:

@@ -1,7 +1,9 @@
 """The sinks ucp_jax writes, found by format name (`get`).
 
-A sink is a module (or any object) with the members of `Sink`: `check_options` (before
-anything is read) and `export(ckpt, dst, ...)`, which writes an open `Checkpoint` whose
+A sink is a module (or any object) with the members of `Sink`: its `Options` (a frozen
+dataclass: one field per option, made with `option`, whose values it checks when built; the
+`ucp export` flags come from it), `check_options` (the destination, before anything is read)
+and `export(ckpt, dst, ...)`, which writes an open `Checkpoint` whose
 parameters have torch names (`export` maps Flax names first) or, for a sink of JAX keys
 (`TORCH_NAMES = False`), the checkpoint's own keys. Other packages add sinks through
 `ucp_jax.sinks` entry points, code through `register` (docs/plugins.md).
@@ -9,9 +11,9 @@ parameters have torch names (`export` maps Flax names first) or, for a sink of J
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ucp_jax.base import _errors, _plugins
 
@@ -33,10 +35,12 @@ class Sink(Protocol):
   NAME: str
   DESCRIPTION: str
   TORCH_NAMES: bool
+  Options: Callable[..., Any]
+  """A frozen dataclass of the options the sink takes (`option` makes each field); building
+  one checks the values (raises `InvalidArgumentError`)."""
 
-  def check_options(self, dst, *, overwrite: bool, **options) -> None:
-    """Raises for bad options or a destination in the way, before anything is read. Its
-    keyword-only parameters are the options the sink takes."""
+  def check_options(self, dst, *, overwrite: bool, options: Any) -> None:
+    """Raises for a destination in the way (given the options), before anything is read."""
 
   def export(
     self,
@@ -45,9 +49,29 @@ class Sink(Protocol):
     *,
     overwrite: bool,
     progress: Callable[[str, int, int], None] | None,
-    **options,
+    options: Any,
   ) -> ExportReport:
     """Writes `ckpt` to `dst`, calling `progress(item, nbytes, total)` after each item."""
+
+
+def option(
+  default: Any,
+  help: str,
+  *,
+  parse: Callable[[str], Any] | None = None,
+  choices: Sequence[Any] | None = None,
+  flag: bool = True,
+) -> Any:
+  """A field of a sink's `Options`: its default, what it does (the flag's help), and how
+  `ucp export --NAME VALUE` reads VALUE (`parse`: default from the default's type: int,
+  true/false, else the text; `choices` to list). `flag=False`: Python only (an object)."""
+  meta = {"help": help, "parse": parse, "choices": choices, "flag": flag}
+  return dataclasses.field(default=default, metadata=meta)
+
+
+@dataclasses.dataclass(frozen=True)
+class NoOptions:
+  """The `Options` of a sink that takes none."""
 
 
 SINKS = _plugins.Registry(
@@ -82,21 +106,48 @@ def get(format: str) -> Sink:
   return SINKS[format]
 
 
+def option_fields(sink: Sink) -> tuple[dataclasses.Field, ...]:
+  """The fields of `sink.Options`: one per option the sink takes."""
+  return dataclasses.fields(sink.Options)  # type: ignore[arg-type]
+
+
 def option_names(sink: Sink) -> list[str]:
-  """The options `sink` takes (the keyword-only parameters of its `check_options`)."""
-  return [
-    name
-    for name, p in inspect.signature(sink.check_options).parameters.items()
-    if p.kind is p.KEYWORD_ONLY and name != "overwrite"
-  ]
+  """The options `sink` takes."""
+  return [f.name for f in option_fields(sink)]
 
 
-def check_option_names(sink: Sink, options: dict) -> None:
-  """Raises for options the sink does not take, naming those it does."""
+def options_of(sink: Sink, given: dict[str, Any]) -> Any:
+  """`sink.Options` of the `given` options, checked.
+
+  Raises:
+    InvalidArgumentError: options the sink does not take (naming those it does), or values
+      it cannot use.
+  """
   accepted = option_names(sink)
-  unknown = sorted(set(options) - set(accepted))
+  unknown = sorted(set(given) - set(accepted))
   if unknown:
     raise _errors.InvalidArgumentError(
       f"format {sink.NAME!r} takes no {', '.join(unknown)}; its options: "
       f"{', '.join(accepted) or 'none'}"
     )
+  return sink.Options(**given)
+
+
+def flag_parser(field: dataclasses.Field) -> Callable[[str], Any]:
+  """How `ucp export --NAME VALUE` reads VALUE for `field`."""
+  parse = field.metadata.get("parse")
+  if parse is not None:
+    return parse
+  kinds = {part.strip() for part in str(field.type).split("|")} - {"None"}
+  if isinstance(field.default, bool) or kinds == {"bool"}:
+    return true_or_false
+  if (isinstance(field.default, int) and not kinds) or kinds == {"int"}:
+    return int
+  return str
+
+
+def true_or_false(text: str) -> bool:
+  """`true` or `false` (any case) as a bool (a flag's value)."""
+  if text.lower() in ("true", "false"):
+    return text.lower() == "true"
+  raise ValueError(f"{text!r}: true or false")

@@ -125,7 +125,9 @@ def _read_through(array: np.ndarray) -> None:
 
 def open_source(path, source: str | None = None) -> SourceCheckpoint | None:
   """The source view of `path` if a source recognizes it (or `source`, by name), else None
-  (how `ucp_jax.open` reads other formats: `_other_formats.read_with`)."""
+  (how `ucp_jax.open` reads other formats: `store._reader.FOREIGN_FORMATS`)."""
+  import ml_dtypes  # noqa: F401  (numpy then knows the bfloat16 and float8 a source may hold)
+
   text = _location.named(path)  # a kvstore spec: the URL that names it
   with _files.session():  # a URL's prefixes listed once for sniffing and describing
     if source is None and _registry.sniff(text) is None:

@@ -9,6 +9,7 @@ opened with the manifest, so an overwrite during the read cannot mix two saves.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 import os
 from typing import Any
@@ -27,7 +28,6 @@ from ucp_jax.store import (
   _lazy,
   _location,
   _manifest,
-  _other_formats,
   _pool,
   _threads,
   _untrusted,
@@ -193,17 +193,27 @@ def open(path: str | os.PathLike | Checkpoint, *, source: str | None = None) -> 
   if isinstance(path, Checkpoint):  # already open (or a mapped view of one)
     return path
   if source is not None:
-    view = _other_formats.opener(path, source) if _other_formats.opener else None
+    view = _open_foreign(path, source)
     if view is None:
       raise _errors.InvalidArgumentError(f"source={source!r}: no reader of that name is loaded")
     return view
   try:
     return _open_committed(path)
   except _errors.CheckpointNotFoundError:
-    view = _other_formats.opener(path, None) if _other_formats.opener else None
+    view = _open_foreign(path, None)
     if view is None:
       raise
     return view
+
+
+FOREIGN_FORMATS = "ucp_jax.sources._view"
+"""The module whose `open_source(path, source)` reads other formats as read-only views. The
+sources sit above the store, which knows no format but its own: like the format registries'
+built-in plugins, it is named here and imported on first use (and `ucp --help` imports none)."""
+
+
+def _open_foreign(path: str | os.PathLike, source: str | None) -> Checkpoint | None:
+  return importlib.import_module(FOREIGN_FORMATS).open_source(path, source)
 
 
 def _open_committed(path: str | os.PathLike) -> StoredCheckpoint:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -16,8 +16,15 @@ from ucp_jax.store import _checkpoint, _hostmem, _keypath, _reader, _regions, _u
 from ucp_jax.store._manifest import ArrayInfo
 from ucp_jax.tree import _devices, _save, _tree, _unchanged
 
-if TYPE_CHECKING:
-  from ucp_jax.mapping._mapping import RuleSet
+
+class Rules(Protocol):
+  """What `restore(rules=)` asks of a rule set (`ucp_jax.rules.RuleSet` is one): the
+  checkpoint as the rules present it."""
+
+  def view(
+    self, ckpt: _checkpoint.Checkpoint, *, subtree: str | None = None, partial: bool = False
+  ) -> _checkpoint.Checkpoint: ...
+
 
 _PY_TYPES = {"bool": bool, "int": int, "float": float, "complex": complex}
 
@@ -42,7 +49,7 @@ def restore(
   subtree: str | None = None,
   partial: bool = False,
   cast: bool = False,
-  rules: RuleSet | None = None,
+  rules: Rules | None = None,
   max_host_bytes: int = _save.DEFAULT_HOST_BYTES,
 ) -> Any:
   """Restores a checkpoint onto the layout `target` describes.
