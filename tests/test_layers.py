@@ -341,3 +341,23 @@ def test_the_stored_dtypes_are_what_numpy_and_tensorstore_accept():
     if dtype.name == name and not dtype.hasobject and dtype.kind not in "SUMm":
       accepted[name] = dtype.itemsize
   assert accepted == _manifest.STORED_DTYPES
+
+
+def test_every_name_the_package_loads_on_first_use_is_typed():
+  """`ucp_jax.save` and the other names loaded on first use (PEP 562) are imported for type
+  checkers too, from the same place: a type checker sees their signatures, not `Any`."""
+  import ucp_jax
+
+  tree = ast.parse((PACKAGE / "__init__.py").read_text())
+  typed = {}
+  for node in ast.walk(tree):
+    if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+      for imp in node.body:
+        assert isinstance(imp, ast.ImportFrom)
+        for alias in imp.names:
+          typed[alias.asname] = (imp.module, alias.name)
+  lazy = {
+    name: (where, attr) if attr is not None else tuple(where.rsplit(".", 1))
+    for name, (where, attr) in ucp_jax._LAZY.items()
+  }
+  assert typed == lazy

@@ -5,6 +5,8 @@ TensorStore, plus a manifest), never the layout that wrote them: save from any
 mesh, restore onto any other, and convert PyTorch/DeepSpeed checkpoints in and out.
 """
 
+from typing import TYPE_CHECKING
+
 from ucp_jax.base import _startup  # first: Ctrl-C while the `ucp` command starts
 
 if not _startup.IS_CLI:  # numpy knows bfloat16 and the float8 types by name from here on
@@ -63,6 +65,30 @@ _LAZY = {
   "save_train_state": ("ucp_jax.integrations._train_state", "save_train_state"),
 }
 
+
+if TYPE_CHECKING:  # what the names below are, for type checkers (loaded on first use)
+  from ucp_jax import rules as rules
+  from ucp_jax._api import export as export
+  from ucp_jax._diff import DiffReport as DiffReport
+  from ucp_jax._diff import diff as diff
+  from ucp_jax.integrations._train_state import restore_train_state as restore_train_state
+  from ucp_jax.integrations._train_state import save_train_state as save_train_state
+  from ucp_jax.parallel._tp_shardings import tp_shardings as tp_shardings
+  from ucp_jax.sinks._report import ExportReport as ExportReport
+  from ucp_jax.sources._convert import ConvertReport as ConvertReport
+  from ucp_jax.sources._convert import convert as convert
+  from ucp_jax.store._checkpoint import Checkpoint as Checkpoint
+  from ucp_jax.store._manifest import ArrayInfo as ArrayInfo
+  from ucp_jax.store._manifest import Manifest as Manifest
+  from ucp_jax.store._reader import open as open
+  from ucp_jax.store._schema import Schema as Schema
+  from ucp_jax.tree._async import save_async as save_async
+  from ucp_jax.tree._pending import SaveHandle as SaveHandle
+  from ucp_jax.tree._pending import wait_until_finished as wait_until_finished
+  from ucp_jax.tree._reshard import reshard as reshard
+  from ucp_jax.tree._reshard import reshard_method as reshard_method
+  from ucp_jax.tree._restore import restore as restore
+  from ucp_jax.tree._save import save as save
 
 __getattr__, __dir__ = _lazy.attributes("ucp_jax", globals(), _LAZY)
 

@@ -14,14 +14,17 @@ import abc
 import difflib
 import math
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ucp_jax.base import _errors
 from ucp_jax.store import _lazy, _location, _manifest, _untrusted, _zarr
 
-ts = _lazy.tensorstore
+if TYPE_CHECKING:
+  import tensorstore as ts
+else:
+  ts = _lazy.tensorstore
 
 
 class Checkpoint(abc.ABC):

@@ -15,11 +15,15 @@ import json
 import os
 import re
 import weakref
+from typing import TYPE_CHECKING
 
 from ucp_jax.base import _errors
 from ucp_jax.store import _lazy, _untrusted
 
-ts = _lazy.tensorstore
+if TYPE_CHECKING:
+  import tensorstore as ts
+else:
+  ts = _lazy.tensorstore
 
 _URL_SCHEMES = ("file://", "memory://", "gs://", "s3://", "gcs://")
 

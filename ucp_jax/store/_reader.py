@@ -12,7 +12,7 @@ import dataclasses
 import importlib
 import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import crc32c
 import numpy as np
@@ -36,7 +36,10 @@ from ucp_jax.store import (
 )
 from ucp_jax.store._checkpoint import Checkpoint
 
-ts = _lazy.tensorstore
+if TYPE_CHECKING:
+  import tensorstore as ts
+else:
+  ts = _lazy.tensorstore
 
 
 class StoredCheckpoint(Checkpoint):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -17,7 +17,10 @@ from ucp_jax.base import _errors
 from ucp_jax.store import _lazy, _untrusted
 from ucp_jax.store._location import Location, context, error_text, read_small
 
-ts = _lazy.tensorstore
+if TYPE_CHECKING:
+  import tensorstore as ts
+else:
+  ts = _lazy.tensorstore
 
 CHUNK_BYTES = 4 << 20
 """Largest chunk written: small enough that a restore onto another mesh reads little extra."""
