@@ -3,7 +3,7 @@
 
 The server runs in its own process on 127.0.0.1: moto's S3 server (`--store s3`) or a GCS
 server (`--store gcs`: gcp-storage-emulator with what TensorStore's gcs driver needs,
-tests/gcs_server.py). The state is `--arrays` float32 arrays, `--size-mb` MiB in all, on 8
+tests/support/gcs_server.py). The state is `--arrays` float32 arrays, `--size-mb` MiB in all, on 8
 CPU devices sharded P('x', None). Interleaved rounds of:
   ucp_save       ucp_jax.save(path, state) to a new path each round (a training loop's steps)
   orbax_save     Orbax's StandardCheckpointer.save of the same state to a new path (gcs only)
@@ -45,7 +45,7 @@ os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
 
 MiB = 1 << 20
-TESTS = Path(__file__).resolve().parent.parent / "tests"
+SUPPORT = Path(__file__).resolve().parent.parent / "tests" / "support"
 
 
 def _free_port() -> int:
@@ -61,7 +61,7 @@ def _start_server(store: str) -> tuple[subprocess.Popen, int]:
     command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
     create = urllib.request.Request(f"http://127.0.0.1:{port}/bench", method="PUT")
   else:
-    command = [sys.executable, str(TESTS / "gcs_server.py"), str(port)]
+    command = [sys.executable, str(SUPPORT / "gcs_server.py"), str(port)]
     create = urllib.request.Request(
       f"http://127.0.0.1:{port}/storage/v1/b?project=bench",
       data=b'{"name": "bench"}',

@@ -1,12 +1,6 @@
 """Test setup: 8 fake CPU devices, set before jax is first imported."""
 
 import os
-import sys
-
-# scripts/ holds the fixture generators and the PyTorch twins of ucp_jax.models.
-sys.path.insert(
-  0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
-)
 
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"

@@ -20,7 +20,7 @@ import ucp_jax
 from ucp_jax.store import _commit, _direct, _location, _swap
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-WORKER = os.path.join(HERE, "commit_fault_worker.py")
+WORKER = os.path.join(HERE, "support", "commit_fault_worker.py")
 
 
 def _run_worker(path, value, stage, direct=True):

@@ -8,7 +8,7 @@ at each file-system step of its commit, as found by recording a clean run:
   cut half way, as an error or Ctrl-C inside it would);
 - killed: the folder as a SIGKILL just before the step leaves it (a copy; for a deletion,
   also a copy half deleted), examined as a crash leaves it. The real SIGKILLs of
-  test_commit.py (commit_fault_worker.py) at the decisive steps check that the copies
+  test_commit.py (support/commit_fault_worker.py) at the decisive steps check that the copies
   tell the truth.
 After each: the path reads as the old or the new checkpoint, whole (the old one when the
 interruption came before the commit point, the fsync of the parent folder), and the next
@@ -371,7 +371,7 @@ def test_an_overwrite_by_exchange_interrupted_at_any_step_loses_nothing(
 
 # --- real kills: the copies above tell the truth ---
 
-WORKER = Path(__file__).parent / "commit_fault_worker.py"
+WORKER = Path(__file__).parent / "support" / "commit_fault_worker.py"
 
 
 def _worker(dst: Path, stage: str, how: str, given: Path | None = None, value: int = NEW):

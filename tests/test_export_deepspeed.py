@@ -3,7 +3,7 @@
 Fast tests compare the exported files with DeepSpeed's own `ds_to_universal` output for every
 fixture (read back with the safe reader) and pin every bad-input error. The live tests (slow,
 deepspeed) load the exports with real DeepSpeed at other DP degrees and stages and compare the
-restored engines with DeepSpeed loading its own output (`tests/deepspeed_live.py`).
+restored engines with DeepSpeed loading its own output (`tests/support/deepspeed_live.py`).
 """
 
 from __future__ import annotations

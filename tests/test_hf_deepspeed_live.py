@@ -1,6 +1,6 @@
 """A DeepSpeed-trained `transformers` model -> JAX -> DeepSpeed, with the ready rules only.
 
-Issue 11's proof, live (DeepSpeed 0.19.8 on gloo ranks, tests/hf_deepspeed_worker.py):
+Issue 11's proof, live (DeepSpeed 0.19.8 on gloo ranks, tests/support/hf_deepspeed_worker.py):
 
 1. Tiny random `LlamaForCausalLM` (grouped-query) and `GPT2LMHeadModel` (tied head) train
    `N` steps under DeepSpeed ZeRO-2 at DP=2 with Hugging Face `Trainer`'s two AdamW groups

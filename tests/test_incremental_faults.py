@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 import ucp_jax
 
-WORKER = Path(__file__).parent / "incremental_fault_worker.py"
+WORKER = Path(__file__).parent / "support" / "incremental_fault_worker.py"
 FROZEN = np.arange(64 * 256, dtype=np.float32).reshape(64, 256)
 
 

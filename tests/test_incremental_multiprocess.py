@@ -17,7 +17,7 @@ import ucp_jax
 
 pytestmark = pytest.mark.slow
 
-WORKER = Path(__file__).parent / "incremental_worker.py"
+WORKER = Path(__file__).parent / "support" / "incremental_worker.py"
 TIMEOUT_S = 120
 
 

@@ -1,6 +1,6 @@
 """Real multi-process JAX: save and restore across processes (gloo on 127.0.0.1).
 
-Each run starts fresh Python processes running tests/multiprocess_worker.py; the
+Each run starts fresh Python processes running tests/support/multiprocess_worker.py; the
 single-process side (1 process x 8 devices) runs here, on conftest's 8 devices.
 """
 
@@ -20,7 +20,7 @@ import ucp_jax
 
 pytestmark = pytest.mark.slow
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multiprocess_worker.py")
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support", "multiprocess_worker.py")
 WORKER_TIMEOUT_S = 60  # a worker dumps its stacks and exits after this long
 TIMEOUT_S = WORKER_TIMEOUT_S + 30  # then the parent kills what is left
 

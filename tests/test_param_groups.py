@@ -12,13 +12,12 @@ save and export give DeepSpeed both groups with their own hyperparameters, and
 from __future__ import annotations
 
 import importlib.util
-import sys
 import types
-from pathlib import Path
 
 import ds_fixtures as F
 import jax
 import jax.numpy as jnp
+import make_deepspeed_fixtures as mk
 import numpy as np
 import optax
 import pytest
@@ -28,9 +27,6 @@ import ucp_jax
 from ucp_jax import deepspeed as ucp_deepspeed
 from ucp_jax.rules import Rule, RuleSet, transpose
 from ucp_jax.tree import _tree
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import make_deepspeed_fixtures as mk
 
 NAME = "z2_fp32_dp2"
 META = F.info(NAME)

@@ -196,7 +196,7 @@ def test_a_read_under_a_fault_is_exact_or_one_error(s3, saved, read, kind, fault
   assert read != "verify" or out == {}, out
 
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "s3_worker.py")
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support", "s3_worker.py")
 STALLS = [  # op, kind, method
   ("restore", "chunk", "GET"),
   ("read", "chunk", "GET"),
@@ -298,7 +298,7 @@ def test_a_save_killed_at_any_request_loses_nothing(s3, kind, method, after, act
   import subprocess
   import sys
 
-  worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "commit_fault_worker.py")
+  worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support", "commit_fault_worker.py")
   spec = _spec(s3, s3.bucket())
   env = {**os.environ, **s3_faults.ENV, "JAX_PLATFORMS": "cpu"}
 

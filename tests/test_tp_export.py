@@ -3,7 +3,6 @@
 import importlib.util
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -14,7 +13,6 @@ from ucp_jax.sources.deepspeed import _tp
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "tp")
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 
 
 def _meta(data):

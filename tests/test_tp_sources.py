@@ -2,7 +2,6 @@
 
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -17,7 +16,6 @@ from ucp_jax.sources.deepspeed import _tp
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "tp")
 REAL = ["autotp_tp2_dp1", "autotp_tp2_dp2", "pp2", "pp2_tp2"]
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 
 
 def _convert(name, tmp_path, **kw):

@@ -21,7 +21,6 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("deepspeed")
 
 SCRIPTS = Path(__file__).parent.parent / "scripts"
-sys.path.insert(0, str(SCRIPTS))
 import make_zero3_checkpoint as z3  # noqa: E402
 
 DIM, LAYERS, DP = 24, 3, 3

@@ -22,7 +22,7 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parents[1] / "fixtures"
 DS_FIXTURE = FIXTURES / "deepspeed" / "z2_fp32_dp2" / "ckpt"
 MODEL_STATES = "global_step3/mp_rank_00_model_states.pt"
 

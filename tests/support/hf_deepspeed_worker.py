@@ -22,10 +22,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-from _ds_launch import init_rank, launch_ranks  # noqa: E402
-from cross_framework_demo import GLOBAL_BATCH, HYPER, SEED, batch, ds_config  # noqa: E402
+from _ds_launch import init_rank, launch_ranks  # scripts/: on the path in pytest and the ranks
+from cross_framework_demo import GLOBAL_BATCH, HYPER, SEED, batch, ds_config
+
+REPO = Path(__file__).resolve().parents[2]
 
 VOCAB, SEQ = 64, 16  # `batch`'s defaults: [GLOBAL_BATCH, SEQ + 1] tokens below VOCAB
 MODELS = {
@@ -120,7 +120,8 @@ def launch(world: int, leg: Leg, workdir: Path, timeout: float = 600) -> dict[st
   workdir.mkdir(parents=True, exist_ok=True)
   job = workdir / "leg.json"
   job.write_text(json.dumps(dataclasses.asdict(leg)))
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+  path = [str(REPO), str(REPO / "scripts"), os.environ.get("PYTHONPATH", "")]
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
   env.pop("XLA_FLAGS", None)  # the test's 8 fake devices are no business of the ranks
   env.setdefault("HF_HUB_OFFLINE", "1")
   launch_ranks(

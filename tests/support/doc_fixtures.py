@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 import ucp_jax
 from ucp_jax.models import gpt
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 GPT_FIXTURE = FIXTURES / "cross_framework"  # a DeepSpeed ZeRO-2 checkpoint of gpt.FlaxGPT's twin
 GPT12 = gpt.GPTConfig(vocab_size=32, max_len=8, num_layers=2, num_heads=12, d_model=24)
 
@@ -410,13 +410,10 @@ def dcp_gpt(here):
 def torch_gpt(here):
   """`dcp_out/`: a DCP export of a JAX GPT (4 heads) and AdamW; `model` and `optimizer`: the
   GPT's torch twin and a torch AdamW; `dcp`, `get_state_dict` and `set_state_dict`."""
-  import sys
 
   import torch
   import torch.distributed.checkpoint as dcp
   from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-  sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
   from torch_twins import TorchGPT
 
   names = _gpt_and_adamw()
@@ -435,5 +432,5 @@ def torch_gpt(here):
 @setup()
 def scripts(here):
   """`scripts/`: the repository's scripts (a link)."""
-  os.symlink(Path(__file__).resolve().parent.parent / "scripts", "scripts")
+  os.symlink(Path(__file__).resolve().parents[2] / "scripts", "scripts")
   return {}

@@ -23,10 +23,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-import make_deepspeed_fixtures as mk  # noqa: E402
-from _ds_launch import init_rank, launch_ranks  # noqa: E402
+import make_deepspeed_fixtures as mk  # scripts/: on the path in pytest and in the ranks
+from _ds_launch import init_rank, launch_ranks
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclasses.dataclass
@@ -72,7 +72,8 @@ def launch(n: int, jobs: list[Job], out: str | os.PathLike, timeout: float = 600
   out.mkdir(parents=True, exist_ok=True)
   plan = out / "jobs.json"
   plan.write_text(json.dumps([dataclasses.asdict(j) for j in jobs]))
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+  path = [str(REPO), str(REPO / "scripts"), os.environ.get("PYTHONPATH", "")]
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
   cmd = [sys.executable, __file__, "--jobs", str(plan), "--out", str(out)]
   launch_ranks(n, cmd, out, what="DeepSpeed", timeout=timeout, env=env)
   return {

@@ -261,7 +261,8 @@ def convert_fails_on_one(workdir: str) -> dict:
   """Converts a DeepSpeed fixture on both processes; process 1 fails on its first array."""
   from ucp_jax.sources import _source_plan
 
-  src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures/deepspeed/z2_bf16_dp3")
+  tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  src = os.path.join(tests, "fixtures/deepspeed/z2_bf16_dp3")
   if jax.process_index() == 1:
 
     def broken(tensor):

@@ -38,7 +38,7 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LANGUAGES = {"python": "python", "py": "python", "bash": "bash", "sh": "bash", "shell": "bash"}
 LANGUAGES |= {"console": "console", "text": "text", "json": "text", "jsonc": "text"}
 _FENCE = re.compile(r"^( {0,3})(`{3,}|~{3,})\s*([\w+-]*)")

@@ -24,9 +24,8 @@ resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import hostile_run  # noqa: E402
+import hostile_run  # noqa: E402  (beside this file: on the path of a script)
 import jax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402

@@ -19,7 +19,7 @@ import numpy as np
 import ucp_jax
 from ucp_jax.sources._torch_reader import _torch_file
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "deepspeed"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "deepspeed"
 NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "info.json").is_file())
 
 
