@@ -20,7 +20,9 @@ import ucp_jax
 
 pytestmark = pytest.mark.slow
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support", "multiprocess_worker.py")
+WORKER = os.path.join(
+  os.path.dirname(os.path.abspath(__file__)), "support", "multiprocess_worker.py"
+)
 WORKER_TIMEOUT_S = 60  # a worker dumps its stacks and exits after this long
 TIMEOUT_S = WORKER_TIMEOUT_S + 30  # then the parent kills what is left
 

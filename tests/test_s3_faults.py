@@ -298,7 +298,9 @@ def test_a_save_killed_at_any_request_loses_nothing(s3, kind, method, after, act
   import subprocess
   import sys
 
-  worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support", "commit_fault_worker.py")
+  worker = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "support", "commit_fault_worker.py"
+  )
   spec = _spec(s3, s3.bucket())
   env = {**os.environ, **s3_faults.ENV, "JAX_PLATFORMS": "cpu"}
 

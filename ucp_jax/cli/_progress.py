@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
 
-def human(nbytes: int) -> str:
+def human(nbytes: float) -> str:
   """`nbytes` in B, KiB, MiB, GiB or TiB (one decimal above bytes)."""
   for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
     if nbytes < 1024 or unit == "TiB":

@@ -95,12 +95,12 @@ class Rule:
   def before_stack(self) -> tuple[Transform, ...]:
     """The transforms applied to each layer (all of them when the rule does not stack)."""
     marks = [i for i, t in enumerate(self.transforms) if isinstance(t, Stack)]
-    return self.transforms[: marks[0]] if marks else self.transforms
+    return tuple(self.transforms[: marks[0]] if marks else self.transforms)
 
   @property
   def after_stack(self) -> tuple[Transform, ...]:
     marks = [i for i, t in enumerate(self.transforms) if isinstance(t, Stack)]
-    return self.transforms[marks[0] + 1 :] if marks else ()
+    return tuple(self.transforms[marks[0] + 1 :]) if marks else ()
 
   def target_key(self, match: re.Match) -> str:
     assert self.target is not None

@@ -17,7 +17,7 @@ from ucp_jax.models._hf_reader import Reader
 MAX_LAYER_LIST = 1 << 16
 """The most layers a config may mix sliding and full attention over (a per-layer list)."""
 
-_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
+_SIZES: tuple[str, ...] = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
 _SIZES += ("num_attention_heads", "num_key_value_heads")
 
 

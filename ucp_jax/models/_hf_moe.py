@@ -79,7 +79,7 @@ def sparse_layers(r: Reader, layers: int) -> tuple[int, ...]:
   if not (isinstance(only, list) and all(is_int(i, 0, MAX_SIZE) for i in only)):
     r.problem(f"`mlp_only_layers`: {shown(only)} is not a list of layer numbers")
     only = []
-  r.refuse(layers > _hf.MAX_LAYER_LIST and (step != 1 or only), "too many layers to list")
+  r.refuse(layers > _hf.MAX_LAYER_LIST and (step != 1 or bool(only)), "too many layers to list")
   if step == 1 and not only:
     return ()
   return tuple(i for i in range(layers) if i in only or (i + 1) % step)

@@ -56,7 +56,8 @@ class Reader:
   """
 
   def __init__(self, config: Mapping[str, Any], where: str, defaults: Mapping[str, Any]):
-    self.config, self.where, self.defaults, self.problems = config, where, defaults, []
+    self.config, self.where, self.defaults = config, where, defaults
+    self.problems: list[str] = []
     self.names("architectures")  # read by `ucp_jax.rules.from_hf` for the names' prefix
 
   def __call__(self, key: str) -> Any:

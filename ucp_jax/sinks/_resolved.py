@@ -357,13 +357,12 @@ class _Checker:
         continue
       slots = self._slots(name, entry.slots, shape)
       group = 0 if entry.group is None else entry.group
-      if n_groups is None:
-        group = None
-      elif not 0 <= group < n_groups:
+      if n_groups is not None and not 0 <= group < n_groups:
         self._problems.append(
           f"`{name}`: group {group!r}, but the optimizer has {n_groups} group(s)"
         )
-      trainable.append(StoredParam(name, entry.value, shape, dtype, slots, group))
+      in_group = None if n_groups is None else group
+      trainable.append(StoredParam(name, entry.value, shape, dtype, slots, in_group))
     return trainable, frozen, tied
 
   def _slots(self, name: str, slots: Mapping[str, str], shape: tuple[int, ...]) -> dict[str, str]:

@@ -138,9 +138,9 @@ def describe(path: str | os.PathLike, name: str | None = None, **options) -> Pla
   from ucp_jax.sources import _files  # on use: the names above import no TensorStore
   from ucp_jax.store import _location
 
-  path = _location.named(path)
+  text = _location.named(path)
   with _files.session():  # a URL's prefixes listed once for sniffing and describing
-    plan = find(path, name).describe(path, **options)
+    plan = find(text, name).describe(text, **options)
     if "://" in plan.path:  # object stores list no sizes: the bytes its readers saw
       plan = dataclasses.replace(plan, source_bytes=_files.seen_bytes(plan.path))
     return plan

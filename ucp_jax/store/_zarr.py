@@ -198,6 +198,8 @@ def open_array(location: Location, key: str, durable: bool = True) -> ts.Future:
     "store_data_equal_to_fill_value": True,
     "fill_missing_data_reads": False,
   }
+  promise: ts.Promise[ts.TensorStore]
+  opened: ts.Future[ts.TensorStore]
   promise, opened = ts.Promise.new()
   if location.local_dir is not None:  # a local read is cheap: check it here
     try:
@@ -297,7 +299,7 @@ def _wait(location: Location, key: str, future: ts.Future, what: str) -> Any:
     raise
   except ValueError as e:
     text = error_text(e)
-    if location.io_dir:  # paths as the user named them, not through /proc/self/fd
+    if location.io_dir and location.local_dir:  # paths as named, not through /proc/self/fd
       text = text.replace(location.io_dir, location.local_dir)
     if text.startswith(f"{location}"):  # one of ours, raised in a chunk read
       raise _errors.CorruptCheckpointError(text) from e
