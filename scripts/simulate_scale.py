@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 import ucp_jax
 from ucp_jax.base import _multihost
-from ucp_jax.store import _bundle, _chunks, _regions, _write_plan, _zarr
+from ucp_jax.store import _bundle, _chunks, _owners, _regions, _zarr
 
 DEVICES_PER_PROCESS = 8
 ITEMSIZE = 4  # float32 params and Adam moments
@@ -93,10 +93,10 @@ def llama70b(layers: int, stacked: bool = False) -> dict[str, tuple[tuple[int, .
 
 
 def plan_save(state, m: Mesh, chunk_bytes: int, bundle_bytes: int | None, process: int):
-  """Chunks and bundles per array and `process`'s write plan, timed as one process plans them.
+  """Chunks and bundles per array and the units `process` owns, timed as one process computes them.
 
   Returns (chunks, files, plans, seconds): `files` is the shape of each array's files (its
-  bundle, or its chunk when chunks are not bundled), the unit the write plan hands out.
+  bundle, or its chunk when chunks are not bundled), the unit an owner writes whole.
   """
   start = time.perf_counter()
   chunks, files, plans = {}, {}, {}
@@ -104,11 +104,11 @@ def plan_save(state, m: Mesh, chunk_bytes: int, bundle_bytes: int | None, proces
     sharding = NamedSharding(m, spec)
     shard = sharding.shard_shape(shape)
     chunks[key] = _zarr.choose_chunks(shape, shard, ITEMSIZE, chunk_bytes)
-    writers = _write_plan.writers(sharding, shape)
-    block = _write_plan.block_shape(sharding, shape) or shard  # what one process holds
+    writers = _owners.writers(sharding, shape)
+    block = _owners.block_shape(sharding, shape) or shard  # what one process holds
     bundle = _bundle.choose(shape, block, chunks[key], ITEMSIZE, bundle_bytes, writers)
     files[key] = bundle or chunks[key]
-    plans[key] = _write_plan.of_sharding(key, sharding, shape, files[key], process)
+    plans[key] = _owners.of_sharding(key, sharding, shape, files[key], process)
   return chunks, files, plans, time.perf_counter() - start
 
 
@@ -117,7 +117,7 @@ def bytes_written(state, m: Mesh, chunks) -> np.ndarray:
   written = np.zeros(m.devices.size // DEVICES_PER_PROCESS, dtype=np.int64)
   for key, (shape, spec) in state.items():
     sharding = NamedSharding(m, spec)
-    for process, _, region in _write_plan.every_of_sharding(key, sharding, shape, chunks[key]):
+    for process, _, region in _owners.every_of_sharding(key, sharding, shape, chunks[key]):
       written[process] += _regions.size(region) * ITEMSIZE
   return written
 

@@ -321,7 +321,7 @@ def test_version_names_the_package(capsys):
 def test_export_flags_come_from_each_sinks_options():
   import dataclasses
 
-  from ucp_jax.cli import _main
+  from ucp_jax.cli import _export_flags, _main
   from ucp_jax.sinks import _registry as sinks
 
   parser = _main.build_parser(["export"])
@@ -331,7 +331,7 @@ def test_export_flags_come_from_each_sinks_options():
     for f in dataclasses.fields(sinks.get(name).Options)
     if f.metadata["flag"]
   }
-  assert declared == set(_main.sink_flags()) >= {"zero_stage", "ranks", "ocdbt", "dtype"}
+  assert declared == set(_export_flags.sink_flags()) >= {"zero_stage", "ranks", "ocdbt", "dtype"}
   args = parser.parse_args(
     ["export", "c", "d", "--format", "orbax", "--ocdbt", "false", "--chunk-bytes", "4096"]
   )

@@ -511,7 +511,7 @@ def test_chained_view_restores(tmp_path):
   )
   view = chain.view(tmp_path / "c", subtree="params")
   assert view.keys() == ["params/k"]
-  assert view.describe("params/k").startswith(
+  assert view.comes_from("params/k").startswith(
     "from params/layers.0.weight .. params/layers.1.weight"
   )
   out = ucp_jax.restore(

@@ -200,12 +200,12 @@ def _convert_argv(args) -> list[str]:
 
 @_command
 def cmd_export(args, out: Console, err: Console) -> int:
-  from ucp_jax.cli import _main
+  from ucp_jax.cli import _export_flags
   from ucp_jax.sinks import _export
   from ucp_jax.sinks import _registry as sinks
 
   rules = _rule_specs.parse(args.rules, args.checkpoint, args.config)
-  flags = _main.sink_flags()
+  flags = _export_flags.sink_flags()
   options = {k: getattr(args, k) for k in flags if getattr(args, k, None) is not None}
   if args.config is not None:  # the model's config.json: for the rules, the folder, or both
     writes = "config" in sinks.option_names(sinks.get(args.format))

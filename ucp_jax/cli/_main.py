@@ -8,13 +8,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
 
 from ucp_jax.base import _errors
-from ucp_jax.cli import _native_logs
+from ucp_jax.cli import _export_flags, _native_logs
 
 _PIPED_WIDTH = 1 << 16
 """Columns of output to a pipe or file: wide enough that no line wraps (a script reads it)."""
@@ -116,7 +115,7 @@ def _add_export(sub, sink_flags: bool) -> None:
     "into the folder (default: the one the checkpoint recorded)",
   )
   if sink_flags:
-    _add_sink_flags(p)
+    _export_flags.add(p)
   p.add_argument(
     "--option",
     action="append",
@@ -125,34 +124,6 @@ def _add_export(sub, sink_flags: bool) -> None:
   )
   p.add_argument("--overwrite", action="store_true", help="replace an export at DST")
   p.add_argument("--rules", help=_RULES_HELP)
-
-
-def sink_flags() -> dict[str, list[tuple[str, Any]]]:
-  """Every export flag the sinks' `Options` declare: field name -> [(sink name, field)]."""
-  from ucp_jax.sinks import _registry as sinks
-
-  flags: dict[str, list[tuple[str, Any]]] = {}
-  for name in sinks.SINKS:
-    for field in sinks.option_fields(sinks.get(name)):
-      if field.metadata.get("flag", True):
-        flags.setdefault(field.name, []).append((name, field))
-  return flags
-
-
-def _add_sink_flags(p: argparse.ArgumentParser) -> None:
-  from ucp_jax.sinks import _registry as sinks
-
-  for option, fields in sink_flags().items():
-    field = fields[0][1]
-    parse = sinks.flag_parser(field)
-    p.add_argument(
-      f"--{option.replace('_', '-')}",
-      dest=option,
-      type=parse,
-      choices=field.metadata.get("choices"),
-      metavar="{true,false}" if parse is sinks.true_or_false else None,
-      help="; ".join(f"{sink}: {f.metadata.get('help', '')}" for sink, f in fields),
-    )
 
 
 _RULES_HELP = (

@@ -1,7 +1,7 @@
 """A checkpoint seen through a mapping: target keys, target layouts, nothing read up front.
 
 `MappedCheckpoint` is a `Checkpoint` (store/_checkpoint.py: `keys()`, `[key] -> ArrayInfo`,
-`open_future`, `read`, `describe`, ...), so it restores, reads and maps further like the
+`open_future`, `read`, `comes_from`, ...), so it restores, reads and maps further like the
 checkpoint it wraps. Each target
 array is a TensorStore view over the stored source arrays, built only from index
 transforms and virtual stacks: indexing it with a device's slice and reading
@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from ucp_jax.mapping import _plan
+from ucp_jax.mapping import _matching
 from ucp_jax.mapping._transforms import Cast, Split, SubParam, Transpose
 from ucp_jax.store import _hostmem, _keypath, _threads
 from ucp_jax.store._checkpoint import Checkpoint
@@ -40,7 +40,7 @@ class MappedCheckpoint(Checkpoint):
   relative to it, and the target keys are placed below it again.
   """
 
-  def __init__(self, base: Checkpoint, entries: dict[str, _plan.Entry], subtree: str = ""):
+  def __init__(self, base: Checkpoint, entries: dict[str, _matching.Entry], subtree: str = ""):
     self.base = base
     self._prefix = subtree
     self._entries = {_keypath.under(subtree, k): e for k, e in entries.items()}
@@ -54,7 +54,7 @@ class MappedCheckpoint(Checkpoint):
     """The keys of `base` that the target `key` is made of (one per layer when stacked)."""
     return tuple(_keypath.under(self._prefix, s) for s in self._entries[key].sources)
 
-  def describe(self, key: str) -> str:
+  def comes_from(self, key: str) -> str:
     """Where `key` comes from: `from params/h.0.w (8, 4) float32 via transpose()`."""
     entry = self._entries[key]
     sources = self.source_keys(key)

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ucp_jax.base import _errors
-from ucp_jax.mapping import _plan
+from ucp_jax.mapping import _matching
 from ucp_jax.mapping._mapped import MappedCheckpoint, info_of
 from ucp_jax.mapping._rule import Rule
 from ucp_jax.mapping._transforms import SubParam, fuse
@@ -93,7 +93,7 @@ class RuleSet:
     """
     origin = {n: (n,) for n in names}
     for stage in self.stages():
-      plan = _plan.plan_import(stage, list(origin), partial=partial)
+      plan = _matching.match_import(stage, list(origin), partial=partial)
       origin = {k: sum((origin[s] for s in e.sources), ()) for k, e in plan.items()}
     return origin
 
@@ -121,7 +121,7 @@ class RuleSet:
     prefix = (subtree or "").strip("/")
     for stage in self.stages():
       infos = {_relative(k, prefix): view[k] for k in view.keys() if _below(k, prefix)}
-      plan = _plan.plan_import(stage, infos, infos, partial=partial, where=str(view.location))
+      plan = _matching.match_import(stage, infos, infos, partial=partial, where=str(view.location))
       view = MappedCheckpoint(view, plan, prefix)
     return view
 
@@ -134,7 +134,7 @@ class RuleSet:
     current = {name: np.asarray(a) for name, a in arrays.items()}
     for stage in self.stages():
       infos = {name: info_of(a) for name, a in current.items()}
-      plan = _plan.plan_import(stage, infos, infos)
+      plan = _matching.match_import(stage, infos, infos)
       current = {key: _forward(entry, current) for key, entry in plan.items()}
     return current
 
@@ -154,7 +154,7 @@ class RuleSet:
     current = {key: np.asarray(value) for key, value in _flat(tree).items()}
     for stage in reversed(self.stages()):
       shapes = {k: (v.shape, v.dtype) for k, v in current.items()}
-      plan = _plan.plan_export(stage, shapes)
+      plan = _matching.match_export(stage, shapes)
       out: dict[str, np.ndarray] = {}
       parts: dict[str, tuple[SubParam, dict[int, np.ndarray]]] = {}
       for key, entries in plan.items():
@@ -184,7 +184,7 @@ def _flat(tree: Any) -> dict[str, Any]:
   return _tree.flatten(tree)[0]
 
 
-def _forward(entry: _plan.Entry, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
+def _forward(entry: _matching.Entry, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
   rule = entry.rule
   layers = []
   for name in entry.sources:
@@ -200,7 +200,7 @@ def _forward(entry: _plan.Entry, arrays: Mapping[str, np.ndarray]) -> np.ndarray
   return x
 
 
-def _backward(entry: _plan.ExportEntry, x: np.ndarray) -> dict[str, np.ndarray]:
+def _backward(entry: _matching.ExportEntry, x: np.ndarray) -> dict[str, np.ndarray]:
   rule = entry.rule
   for t in reversed(rule.after_stack):
     x = t.inverse(x)

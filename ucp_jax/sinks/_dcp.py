@@ -96,13 +96,13 @@ def export(
   torch = import_torch()
   schema = ckpt.manifest.typed_schema
   with_optimizer = schema is not None and schema.optimizer is not None and schema.optimizer.groups
-  plan = _resolved.plan(ckpt) if with_optimizer else None
+  state = _resolved.resolve(ckpt) if with_optimizer else None
   weights = _resolved.weights(ckpt)
-  entries = _entries(weights, plan)
+  entries = _entries(weights, state)
   total = sum(ckpt[key].nbytes for _, key, _ in entries if key is not None)
-  notes = list(plan.not_carried) if plan is not None else []
+  notes = list(state.not_carried) if state is not None else []
   params = {} if schema is None else schema.params
-  if plan is None and any(entry.slots for entry in params.values()):
+  if state is None and any(entry.slots for entry in params.values()):
     notes.append("the schema names optimizer slots but no optimizer groups: weights only")
   client = None if schema is None else schema.extra.get("client_state")
   if isinstance(client, dict) and client:
@@ -126,8 +126,8 @@ def export(
         written += array.nbytes
         if progress is not None:
           progress(key, array.nbytes, total)
-      if plan is not None:
-        _optimizer_entries(torch, writer, plan)
+      if state is not None:
+        _optimizer_entries(torch, writer, state)
     finally:
       writer.close()
     writer.commit()
@@ -136,18 +136,18 @@ def export(
     path=dst,
     tag=None,
     zero_stages=(),
-    params=len(plan.trainable) if plan is not None else len(weights.params),
+    params=len(state.trainable) if state is not None else len(weights.params),
     frozen=weights.frozen,
     buffers=tuple(b.name for b in weights.buffers),
     tied=dict(weights.tied),
-    step=plan.step if plan is not None else ckpt.step,
+    step=state.step if state is not None else ckpt.step,
     nbytes=written,
     seconds=time.perf_counter() - start,
     notes=tuple(notes),
     format=NAME,
     summary=(
       f"DCP folder, {ranks} rank file(s): {len(weights.params)} params"
-      + (f" with {', '.join(plan.slot_names)} and {len(plan.groups)} group(s)" if plan else "")
+      + (f" with {', '.join(state.slot_names)} and {len(state.groups)} group(s)" if state else "")
       + f", {len(weights.buffers)} buffers, {len(weights.tied)} tied"
     ),
   )
@@ -175,27 +175,29 @@ def _not_an_export(path: str) -> list[str]:
   return _folder.foreign_entries(path, NAME, "a DCP export", ours=(METADATA,))
 
 
-def _entries(weights: _resolved.WeightsPlan, plan: _resolved.ExportPlan | None) -> list[tuple]:
+def _entries(
+  weights: _resolved.ResolvedWeights, state: _resolved.ResolvedState | None
+) -> list[tuple]:
   """(flattened key, checkpoint key or None for an alias, tree path) of every tensor."""
   out = [(f"model.{p.name}", p.value, ("model", p.name)) for p in weights.params]
   out += [(f"model.{alias}", None, ("model", alias)) for alias in weights.tied]
   out += [(f"model.{b.name}", b.value, ("model", b.name)) for b in weights.buffers]
-  for p in plan.trainable if plan is not None else ():
+  for p in state.trainable if state is not None else ():
     out += [
       (f"optim.state.{p.name}.{s}", k, ("optim", "state", p.name, s)) for s, k in p.slots.items()
     ]
   return out
 
 
-def _optimizer_entries(torch, writer: _Writer, plan: _resolved.ExportPlan) -> None:
+def _optimizer_entries(torch, writer: _Writer, state: _resolved.ResolvedState) -> None:
   """Each parameter's step and each group's hyperparameters and names."""
-  step = torch.tensor(float(plan.step), dtype=torch.float32)
-  for p in plan.trainable:
+  step = torch.tensor(float(state.step), dtype=torch.float32)
+  for p in state.trainable:
     writer.tensor(f"optim.state.{p.name}.step", step, ("optim", "state", p.name, "step"))
-  defaults = _defaults(torch, plan.optimizer_type)
-  for g, hyper in enumerate(plan.groups):
+  defaults = _defaults(torch, state.optimizer_type)
+  for g, hyper in enumerate(state.groups):
     group = {**defaults, **hyper}
-    group["params"] = [p.name for p in plan.trainable if p.group == g]
+    group["params"] = [p.name for p in state.trainable if p.group == g]
     for name, value in group.items():
       writer.object(f"optim.param_groups.{g}.{name}", value, ("optim", "param_groups", g, name))
 

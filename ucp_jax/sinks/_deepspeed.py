@@ -162,27 +162,27 @@ def export(
   options = Options() if options is None else options
   tag = options.tag
   dst = check_destination(dst, overwrite=overwrite, tag=tag)
-  plan = _resolved.plan(ckpt)
-  return write(ckpt, plan, dst, zero_stage=options.zero_stage, tag=tag, progress=progress)
+  state = _resolved.resolve(ckpt)
+  return write(ckpt, state, dst, zero_stage=options.zero_stage, tag=tag, progress=progress)
 
 
 def write(
   ckpt: _checkpoint.Checkpoint,
-  plan: _resolved.ExportPlan,
+  state: _resolved.ResolvedState,
   dst: str,
   *,
   zero_stage: int | None,
   tag: str | None,
   progress: Callable[[str, int, int], None] | None,
 ) -> ExportReport:
-  """Writes `plan` to a staging directory beside `dst`, then renames it into place."""
+  """Writes `state` to a staging directory beside `dst`, then renames it into place."""
   start = time.perf_counter()
-  stages = _stages(plan, zero_stage)
+  stages = _stages(state, zero_stage)
   torch = import_torch()
-  global_steps = _int(plan.extra.get("global_steps"), plan.step)
+  global_steps = _int(state.extra.get("global_steps"), state.step)
   tag = tag or f"global_step{global_steps}"
   with _folder.staged(dst) as staging:  # a second export to `dst` is turned away
-    writer = _Writer(torch, ckpt, plan, os.path.join(staging, tag), progress)
+    writer = _Writer(torch, ckpt, state, os.path.join(staging, tag), progress)
     writer.write_params()
     writer.write_optimizer_state(3 in stages)
     writer.write_model_states(stages, global_steps)
@@ -195,29 +195,29 @@ def write(
     path=dst,
     tag=tag,
     zero_stages=stages,
-    params=len(plan.trainable),
-    frozen=tuple(p.name for p in plan.frozen),
-    buffers=tuple(b.name for b in plan.buffers),
-    tied=dict(plan.tied),
-    step=plan.step,
+    params=len(state.trainable),
+    frozen=tuple(p.name for p in state.frozen),
+    buffers=tuple(b.name for b in state.buffers),
+    tied=dict(state.tied),
+    step=state.step,
     nbytes=writer.nbytes,
     seconds=seconds,
-    notes=tuple(notes(plan, stages)),
+    notes=tuple(notes(state, stages)),
     format=NAME,
     summary=(
-      f"DeepSpeed universal checkpoint {tag} (step {plan.step}) for ZeRO-{shown} targets: "
-      f"{len(plan.trainable)} trainable params, {len(plan.frozen)} frozen, "
-      f"{len(plan.buffers)} buffers, {len(plan.tied)} tied"
+      f"DeepSpeed universal checkpoint {tag} (step {state.step}) for ZeRO-{shown} targets: "
+      f"{len(state.trainable)} trainable params, {len(state.frozen)} frozen, "
+      f"{len(state.buffers)} buffers, {len(state.tied)} tied"
     ),
   )
 
 
-def _stages(plan: _resolved.ExportPlan, zero_stage: int | None) -> tuple[int, ...]:
-  adam = all(s in plan.slot_names for s in _resolved.ADAM_SLOTS)
+def _stages(state: _resolved.ResolvedState, zero_stage: int | None) -> tuple[int, ...]:
+  adam = all(s in state.slot_names for s in _resolved.ADAM_SLOTS)
   if zero_stage == 3 and not adam:
     raise _errors.MappingError(
       f"zero_stage=3: DeepSpeed's ZeRO-3 universal loader reads exactly fp32, exp_avg and "
-      f"exp_avg_sq per parameter (Adam); this checkpoint's slots are {list(plan.slot_names)}"
+      f"exp_avg_sq per parameter (Adam); this checkpoint's slots are {list(state.slot_names)}"
     )
   if zero_stage is None:
     return (1, 2, 3) if adam else (1, 2)
@@ -230,10 +230,10 @@ def common_hyperparameters(groups: tuple[dict[str, Any], ...]) -> dict[str, Any]
   return {k: v for k, v in first.items() if all(k in g and g[k] == v for g in groups[1:])}
 
 
-def notes(plan: _resolved.ExportPlan, stages: tuple[int, ...]) -> list[str]:
+def notes(state: _resolved.ResolvedState, stages: tuple[int, ...]) -> list[str]:
   """What DeepSpeed 0.19.8's universal `load_checkpoint` does not restore from these files."""
   out = []
-  extras = [*(p.name for p in plan.frozen), *(b.name for b in plan.buffers)]
+  extras = [*(p.name for p in state.frozen), *(b.name for b in state.buffers)]
   if extras:
     out.append(
       f"buffers and frozen parameters ({', '.join(extras)}): DeepSpeed's universal "
@@ -241,7 +241,9 @@ def notes(plan: _resolved.ExportPlan, stages: tuple[int, ...]) -> list[str]:
       "ucp_jax.deepspeed.finish_load(engine, dst) after it"
     )
   if 3 in stages:
-    differ = sorted({k for g in plan.groups for k in g} - set(common_hyperparameters(plan.groups)))
+    differ = sorted(
+      {k for g in state.groups for k in g} - set(common_hyperparameters(state.groups))
+    )
     kept = (
       f"; this export leaves out {', '.join(differ)} (they differ between groups), so each "
       "group keeps its configured value"
@@ -254,22 +256,22 @@ def notes(plan: _resolved.ExportPlan, stages: tuple[int, ...]) -> list[str]:
       "advances once per sub-group. ucp_jax.deepspeed.finish_load fixes both"
     )
   if 3 not in stages and len(stages) > 1:
-    out.append(f"no ZeRO-3 files: its loader needs exp_avg and exp_avg_sq ({plan.optimizer_type})")
-  return [*out, *plan.not_carried]
+    out.append(f"no ZeRO-3 files: its loader needs exp_avg and exp_avg_sq ({state.optimizer_type})")
+  return [*out, *state.not_carried]
 
 
 class _Writer:
   """Writes the files of one export under `root` (`staging/<tag>`)."""
 
-  def __init__(self, torch, ckpt, plan, root: str, progress):
+  def __init__(self, torch, ckpt, state, root: str, progress):
     self.torch = torch
     self.ckpt = ckpt
-    self.plan = plan
+    self.resolved = state
     self.root = root
     self.zero = os.path.join(root, "zero")
     self.progress = progress
     self.nbytes = 0
-    self.step = torch.tensor(float(plan.step), dtype=torch.float32)
+    self.step = torch.tensor(float(state.step), dtype=torch.float32)
 
   def _save(self, obj: Any, *parts: str) -> None:
     path = os.path.join(self.zero, *parts)
@@ -283,7 +285,7 @@ class _Writer:
 
   def _done(self, item: str, nbytes: int) -> None:
     if self.progress is not None:
-      self.progress(item, nbytes, self.plan.nbytes)
+      self.progress(item, nbytes, self.resolved.nbytes)
 
   def write_params(self) -> None:
     from ucp_jax.sources.deepspeed import universal_meta
@@ -292,9 +294,9 @@ class _Writer:
     schema = self.ckpt.manifest.typed_schema
     entries = {} if schema is None else schema.params
     self.expert_names: dict[str, list[str]] = {}
-    patterns = {p.name: _pattern(entries.get(p.name)) for p in self.plan.trainable}
-    self.groups, self.group_of = _moe_sink.deepspeed_groups(self.plan, patterns)
-    for p in self.plan.trainable:
+    patterns = {p.name: _pattern(entries.get(p.name)) for p in self.resolved.trainable}
+    self.groups, self.group_of = _moe_sink.deepspeed_groups(self.resolved, patterns)
+    for p in self.resolved.trainable:
       before = self.nbytes
       pattern = patterns[p.name]
       names = _moe_sink.native_names(p.name, pattern, p.shape)
@@ -316,13 +318,13 @@ class _Writer:
       self._save(self.step.clone(), p.name, "step.pt")
       self._done(p.name, self.nbytes - before)
     self.extras: dict[str, Any] = {}
-    for p in (*self.plan.frozen, *self.plan.buffers):
+    for p in (*self.resolved.frozen, *self.resolved.buffers):
       before = self.nbytes
       self.extras[p.name] = tensor(self.torch, self._read(p.value))
       self._save({"param": self.extras[p.name].float()}, p.name, "fp32.pt")
       self._done(p.name, self.nbytes - before)
-    values = {p.name: p.value for p in (*self.plan.trainable, *self.plan.frozen)}
-    for alias, real in self.plan.tied.items():
+    values = {p.name: p.value for p in (*self.resolved.trainable, *self.resolved.frozen)}
+    for alias, real in self.resolved.tied.items():
       self._save(
         {"param": tensor(self.torch, self.ckpt.read(values[real])).float()}, alias, "fp32.pt"
       )
@@ -346,25 +348,25 @@ class _Writer:
     self._save(state, "optimizer_state.pt")
 
   def write_model_states(self, stages: tuple[int, ...], global_steps: int) -> None:
-    torch, plan, extra = self.torch, self.plan, self.plan.extra
-    module = collections.OrderedDict((p.name, self.extras[p.name]) for p in plan.frozen)
-    for alias, real in plan.tied.items():
+    torch, state, extra = self.torch, self.resolved, self.resolved.extra
+    module = collections.OrderedDict((p.name, self.extras[p.name]) for p in state.frozen)
+    for alias, real in state.tied.items():
       if real in module:
         module[alias] = module[real]
-    module.update((b.name, self.extras[b.name]) for b in plan.buffers)
+    module.update((b.name, self.extras[b.name]) for b in state.buffers)
     shapes = [collections.OrderedDict() for _ in self.groups]
-    for p in plan.trainable:
+    for p in state.trainable:
       for name in self.expert_names.get(p.name, [p.name]):
         shape = p.shape[1:] if p.name in self.expert_names else p.shape
         shapes[self.group_of[p.name]][name] = torch.Size(shape)
-    frozen = collections.OrderedDict((p.name, torch.Size(p.shape)) for p in plan.frozen)
+    frozen = collections.OrderedDict((p.name, torch.Size(p.shape)) for p in state.frozen)
     states = {
       "module": module,
-      "buffer_names": [b.name for b in plan.buffers],
+      "buffer_names": [b.name for b in state.buffers],
       "optimizer": None,
       "param_shapes": shapes,
       "frozen_param_shapes": frozen or None,
-      "shared_params": dict(plan.tied),
+      "shared_params": dict(state.tied),
       "frozen_param_fragments": None,
       "lr_scheduler": extra.get("lr_scheduler") or None,
       "data_sampler": None,
@@ -375,7 +377,7 @@ class _Writer:
       "mp_world_size": 1,
       "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
       "ds_version": DS_VERSION,
-      "ucp_jax": {"exported_from": str(self.ckpt.location), "step": plan.step},
+      "ucp_jax": {"exported_from": str(self.ckpt.location), "step": state.step},
     }
     if isinstance(extra.get("global_samples"), int):
       states["global_samples"] = extra["global_samples"]

@@ -310,7 +310,7 @@ def _with_dtype(config: dict, ckpt, keys: list[str], target) -> tuple[dict, str 
   return out, "; ".join(notes) or None
 
 
-def _notes(ckpt, weights: _resolved.WeightsPlan, config: dict | None) -> list[str]:
+def _notes(ckpt, weights: _resolved.ResolvedWeights, config: dict | None) -> list[str]:
   notes = []
   schema = ckpt.manifest.typed_schema
   entries = [] if schema is None else list(schema.params.values())

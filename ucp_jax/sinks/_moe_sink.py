@@ -45,7 +45,7 @@ def is_expert(name: str, pattern: Any, shape: tuple[int, ...]) -> bool:
   )
 
 
-def deepspeed_groups(plan: Any, patterns: dict[str, Any]) -> tuple[list[dict], dict[str, int]]:
+def deepspeed_groups(state: Any, patterns: dict[str, Any]) -> tuple[list[dict], dict[str, int]]:
   """The param groups a DeepSpeed MoE engine has, and each trainable parameter's.
 
   DeepSpeed moves the experts of each param group into a group of its own, appended after
@@ -54,16 +54,16 @@ def deepspeed_groups(plan: Any, patterns: dict[str, Any]) -> tuple[list[dict], d
   experts share a group with other parameters (one Optax group in JAX) gets that group's
   hyperparameters again for its experts, with `moe: true`, so that none is left unloaded.
   """
-  expert = {p.name: is_expert(p.name, patterns.get(p.name), p.shape) for p in plan.trainable}
-  dense_groups = {p.group for p in plan.trainable if not expert[p.name]}
-  mixed = sorted({p.group for p in plan.trainable if expert[p.name]} & dense_groups)
-  groups = [dict(g) for g in plan.groups]
+  expert = {p.name: is_expert(p.name, patterns.get(p.name), p.shape) for p in state.trainable}
+  dense_groups = {p.group for p in state.trainable if not expert[p.name]}
+  mixed = sorted({p.group for p in state.trainable if expert[p.name]} & dense_groups)
+  groups = [dict(g) for g in state.groups]
   extra = {}
   for g in mixed:
     extra[g] = len(groups)
-    groups.append({**plan.groups[g], "moe": True})
+    groups.append({**state.groups[g], "moe": True})
   group_of = {
     p.name: extra[p.group] if expert[p.name] and p.group in extra else p.group
-    for p in plan.trainable
+    for p in state.trainable
   }
   return groups, group_of

@@ -1,7 +1,7 @@
 """The parameter schema of a checkpoint, resolved for an export.
 
-`plan(ckpt)` reads the manifest's schema (docs/schema.md), checks it against the
-stored arrays and returns an `ExportPlan`: which array is which parameter, slot,
+`resolve(ckpt)` reads the manifest's schema (docs/schema.md), checks it against the
+stored arrays and returns a `ResolvedState`: which array is which parameter, slot,
 buffer; the param groups; the step. Every problem is collected and raised once,
 before any array is read.
 """
@@ -78,7 +78,7 @@ class StoredParam:
 
 
 @dataclasses.dataclass(frozen=True)
-class ExportPlan:
+class ResolvedState:
   """What an export writes, resolved from the schema and checked against the arrays."""
 
   trainable: tuple[StoredParam, ...]
@@ -100,7 +100,7 @@ class ExportPlan:
     return tuple(names)
 
 
-def plan(ckpt: _checkpoint.Checkpoint) -> ExportPlan:
+def resolve(ckpt: _checkpoint.Checkpoint) -> ResolvedState:
   """Checks `ckpt`'s schema against its arrays and resolves it.
 
   Raises:
@@ -147,7 +147,7 @@ def plan(ckpt: _checkpoint.Checkpoint) -> ExportPlan:
     )
   read = [p.value for p in (*trainable, *frozen, *buffers)]
   read += [k for p in trainable for k in p.slots.values()]
-  return ExportPlan(
+  return ResolvedState(
     trainable=tuple(trainable),
     frozen=tuple(frozen),
     tied=tied,
@@ -173,7 +173,7 @@ def _check_torch_names(ckpt: _checkpoint.Checkpoint, naming: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class WeightsPlan:
+class ResolvedWeights:
   """The model's arrays only (for formats without optimizer state), checked like `plan`'s."""
 
   params: tuple[StoredParam, ...]  # trainable and frozen, in the schema's order
@@ -197,7 +197,7 @@ def _check_has_optimizer_state(ckpt: _checkpoint.Checkpoint, schema: _schema.Sch
   )
 
 
-def weights(ckpt: _checkpoint.Checkpoint) -> WeightsPlan:
+def weights(ckpt: _checkpoint.Checkpoint) -> ResolvedWeights:
   """The parameters' values and the buffers of `ckpt`, resolved from its schema.
 
   Unlike `plan`, asks nothing of the optimizer: a checkpoint of weights alone (a Hugging
@@ -226,7 +226,7 @@ def weights(ckpt: _checkpoint.Checkpoint) -> WeightsPlan:
       f"{ckpt.location}: cannot export: {len(problems)} problem(s) in the parameter schema:\n"
       + _errors.bullet_list(problems)
     )
-  return WeightsPlan(
+  return ResolvedWeights(
     params=tuple(dataclasses.replace(p, slots={}) for p in ordered),
     frozen=tuple(p.name for p in frozen),
     tied=tied,

@@ -2,7 +2,7 @@
 them out, so a checkpoint holds a few objects per array and writer, not one per chunk.
 
 A bundle (a zarr "shard", a name this package keeps for jax's shards) is a block of the
-chunk grid: the chunks of one process's part of the array (`_write_plan.block_shape`: the
+chunk grid: the chunks of one process's part of the array (`_owners.block_shape`: the
 shards of all its devices), split further only when larger than `BUNDLE_BYTES`, so every
 bundle has exactly one writer process. Its file holds the encoded
 chunks that lie in the array, in C order of the bundle's chunk grid, then the index:
@@ -61,7 +61,7 @@ def choose(
 ) -> tuple[int, ...] | None:
   """The bundle shape for an array chunked as `chunks` whose writers each hold a `block`.
 
-  `block` is the part of the array one process holds (`_write_plan.block_shape`; a device
+  `block` is the part of the array one process holds (`_owners.block_shape`; a device
   shard where the processes' parts tile no grid). None (one file per chunk) when bundling
   is off (`limit` None), for 0-d and empty arrays, and when a bundle would hold a single
   chunk. A bundle is the block along the dimensions the block cuts (the chunks divide it)

@@ -1,7 +1,7 @@
 """Bundles written through TensorStore (object stores, compressed arrays): one transaction
 per bundle, committed once every chunk of it is in, so each bundle is one PUT.
 
-A bundle holds the shards of several devices of one process (`_write_plan`), which arrive
+A bundle holds the shards of several devices of one process (`_owners`), which arrive
 as several writes. Written one by one, each would be a read-modify-write of the bundle
 object: a GET and a PUT per device shard, and a bundle that grows object by object. In one
 transaction TensorStore assembles the bundle and writes it whole, with no read.
@@ -74,6 +74,6 @@ class BundleCommits:
       self._open.clear()
     if left:
       raise _errors.UcpError(
-        f"{where}: bundles written in part (a write plan with a gap; nothing committed): "
+        f"{where}: bundles written in part (an ownership with a gap; nothing committed): "
         + ", ".join(f"{key} bundle {list(index)}" for key, index in left[:5])
       )

@@ -117,7 +117,7 @@ class Checkpoint(abc.ABC):
     """
     raise ValueError(f"`{key}` is not read directly; read it through open_future")
 
-  def describe(self, key: str) -> str | None:
+  def comes_from(self, key: str) -> str | None:
     """Where `key`'s data comes from, for messages (a view says its source), or None."""
     self[key]
     return None

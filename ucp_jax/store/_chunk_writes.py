@@ -131,7 +131,7 @@ def _write_bundled(target: _BundleFile, group: list, chunks, record) -> None:
 class BundleFiles:
   """The bundle files one save has open: each is opened by its first write and closed, its
   index written and the file fsynced, by the write of its last chunk (one writer process
-  writes every chunk of a bundle, `_write_plan`, in one or several `write_region` calls)."""
+  writes every chunk of a bundle, `_owners`, in one or several `write_region` calls)."""
 
   def __init__(self, durable: bool):
     self._durable = durable

@@ -1,6 +1,6 @@
 """Which regions of a save's arrays this process writes, and the host copies of their data.
 
-A save writes each region once (`_write_plan`: replicas share the work); the shards of a
+A save writes each region once (`_owners`: replicas share the work); the shards of a
 `DeviceArray` are copied to host memory as the writes need them, every copy started at once.
 """
 
@@ -90,7 +90,7 @@ def no_data(entry: Entry) -> bool:
 
 def owned_regions(entry: Entry, primary: bool) -> list[tuple]:
   """The regions of `entry` this process writes, without touching its data (a reused array's
-  files are linked by the process that would write them: the write plan says which)."""
+  files are linked by the process that would write them: its owner is the one)."""
   if entry.owned is not None:
     return [index for index, _ in entry.owned]
   if isinstance(entry.value, DeviceArray):

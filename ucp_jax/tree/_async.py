@@ -35,18 +35,18 @@ from ucp_jax.tree._pending import SaveHandle as SaveHandle
 
 @dataclasses.dataclass
 class Job:
-  """A planned save whose data is in host memory: `run` writes and commits it."""
+  """An agreed save whose data is in host memory: `run` writes and commits it."""
 
-  planned: _save.Planned  # without its leaves: the device arrays are not kept alive
+  agreed: _save.Agreed  # without its leaves: the device arrays are not kept alive
   options: SaveOptions
   arrays: dict[str, weakref.ref] = dataclasses.field(default_factory=dict)  # for `_unchanged`
 
   @property
   def target(self) -> _location.Location:
-    return self.planned.target
+    return self.agreed.target
 
   def run(self) -> str:
-    token = _save.write(self.planned, self.options)
+    token = _save.write(self.agreed, self.options)
     _unchanged.remember(token, self.arrays)
     return str(self.target)
 
@@ -130,11 +130,11 @@ def save_async(
 
 
 def snapshot(path: str | os.PathLike, tree: Any, options: SaveOptions) -> Job:
-  """Plans a save with the other processes and copies this process's shards to host memory
+  """Agrees on a save with the other processes and copies this process's shards to host memory
   (except those of arrays unchanged since the base, whose files the save takes)."""
-  planned = _save.plan(path, tree, options, copies=_host_copies)
-  arrays = _unchanged.identities(planned.leaves)
-  return Job(dataclasses.replace(planned, leaves={}), options, arrays)
+  agreed = _save.agree(path, tree, options, copies=_host_copies)
+  arrays = _unchanged.identities(agreed.leaves)
+  return Job(dataclasses.replace(agreed, leaves={}), options, arrays)
 
 
 def _host_copies(entries: list[_writer.Entry]) -> list[_writer.Entry]:

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from ucp_jax.base import _multihost
-from ucp_jax.store import _regions, _shards, _write_plan
+from ucp_jax.store import _owners, _regions, _shards
 from ucp_jax.store._regions import Region
 from ucp_jax.tree import _devices
 
@@ -61,7 +61,7 @@ class Sharded(_shards.DeviceArray):
   def regions(self, key: str, unit: tuple[int, ...]) -> list[Region]:
     shape = tuple(self.array.shape)
     index = _multihost.process_index()
-    plan = _write_plan.of_sharding(key, self.array.sharding, shape, unit, index)
+    plan = _owners.of_sharding(key, self.array.sharding, shape, unit, index)
     return [region for regions in plan.values() for region in regions]
 
   def pieces(self, key: str, unit: tuple[int, ...]) -> list[tuple[Region, Any, Region]]:
@@ -74,7 +74,7 @@ class Sharded(_shards.DeviceArray):
         for region in [_regions.normalize(s.index, shape)]
       ]
     index = _multihost.process_index()
-    plan = _write_plan.of_sharding(key, value.sharding, shape, unit, index)
+    plan = _owners.of_sharding(key, value.sharding, shape, unit, index)
     pieces = []
     for shard in value.addressable_shards:
       origin = _regions.normalize(shard.index, shape)

@@ -196,7 +196,7 @@ def _validate(
   for key, want in wants.items():
     info = stored[key]
     shape = _logical_shape(info)
-    where = ckpt.describe(key)  # a mapped view says where a key comes from
+    where = ckpt.comes_from(key)  # a mapped view says where a key comes from
     origin = f" ({where})" if where else ""
     if want.shape is not None and want.shape != shape:
       shapes.append(f"{key}: shape {want.shape} in target, {shape} in checkpoint{origin}")

@@ -16,9 +16,9 @@ from ucp_jax.store import (
   _keypath,
   _location,
   _manifest,
+  _owners,
   _pool,
   _untrusted,
-  _write_plan,
   _zarr,
 )
 from ucp_jax.store._writer import Entry
@@ -119,8 +119,8 @@ def save(
 
 
 @dataclasses.dataclass(frozen=True)
-class Planned:
-  """A save planned with the other processes: what each array is, which the base gives."""
+class Agreed:
+  """A save agreed with the other processes: what each array is, which the base gives."""
 
   target: _location.Location
   sync: _multihost.Sync
@@ -131,8 +131,8 @@ class Planned:
   leaves: dict[str, Any]  # the flattened tree, by key
 
 
-def plan(path: str | os.PathLike, tree: Any, options: SaveOptions, *, copies=None) -> Planned:
-  """Plans a save of `tree` to `path` with the other processes (every one calls it): the
+def agree(path: str | os.PathLike, tree: Any, options: SaveOptions, *, copies=None) -> Agreed:
+  """Agrees on a save of `tree` to `path` with the other processes (every one calls it): the
   entries and manifest, the entries unchanged since `options.base` marked for reuse, and
   agreed. `copies(entries)`, when given, runs in the same agreement on the entries of the
   arrays to be written (`save_async`'s host copies); a tree (or a base) rejected on one
@@ -176,16 +176,16 @@ def plan(path: str | os.PathLike, tree: Any, options: SaveOptions, *, copies=Non
     entries = _unchanged.agree(sync, entries)
     if copies is not None:
       entries = _together(sync, target, "copying the state", copies, entries)
-  return Planned(target, sync, entries, manifest, base, found["levels"], leaves)
+  return Agreed(target, sync, entries, manifest, base, found["levels"], leaves)
 
 
 def run(path: str | os.PathLike, tree: Any, options: SaveOptions) -> str:
   """`save` with its options as one value."""
   _pending.wait_until_finished()  # the async save before this one, and its error
-  planned = plan(path, tree, options)
-  token = write(planned, options)
-  _unchanged.remember(token, _unchanged.identities(planned.leaves))
-  return str(planned.target)
+  agreed = agree(path, tree, options)
+  token = write(agreed, options)
+  _unchanged.remember(token, _unchanged.identities(agreed.leaves))
+  return str(agreed.target)
 
 
 def prepare(
@@ -208,7 +208,7 @@ def prepare(
   flat, _ = _tree.flatten(tree)
   if leaves is not None:
     leaves.update(flat)
-  entries = _plan(flat, chunk_bytes, bundle_bytes)
+  entries = _entries(flat, chunk_bytes, bundle_bytes)
   manifest = _manifest.Manifest(
     arrays={e.key: e.info for e in entries},
     tree=_keypath.structure(list(flat)),
@@ -220,29 +220,29 @@ def prepare(
   return entries, manifest
 
 
-def write(planned: Planned, options: SaveOptions) -> str:
-  """Creates, writes and commits the checkpoint `plan` planned, with the other processes.
+def write(agreed: Agreed, options: SaveOptions) -> str:
+  """Creates, writes and commits the checkpoint `plan` agreed, with the other processes.
 
   Entries marked `reuse` take their files from the base; on an object store the arrays go
-  to the pool `planned.pool_levels` folders up. Returns the save's token.
+  to the pool `agreed.pool_levels` folders up. Returns the save's token.
   """
   with Writer(
-    planned.target,
+    agreed.target,
     overwrite=options.overwrite,
-    sync=planned.sync,
+    sync=agreed.sync,
     durable=options.durable,
-    base=planned.base,
+    base=agreed.base,
     hashed=options.hashed,
-    pool_levels=planned.pool_levels,
+    pool_levels=agreed.pool_levels,
   ) as writer:
-    entries = writer.confirm_reuse(planned.entries)
+    entries = writer.confirm_reuse(agreed.entries)
     writer.create({e.key: e.info for e in entries}, compression=options.compression)
     writer.write_entries(entries, options.max_host_bytes)
-    writer.commit(planned.manifest)
+    writer.commit(agreed.manifest)
   return f"{writer.token:016x}"
 
 
-def _plan(flat: dict[str, Any], chunk_bytes: int, bundle_bytes: int | None) -> list[Entry]:
+def _entries(flat: dict[str, Any], chunk_bytes: int, bundle_bytes: int | None) -> list[Entry]:
   """Classifies every leaf, collecting every unsupported one before raising."""
   entries, bad = [], []
   for key, leaf in flat.items():
@@ -272,8 +272,8 @@ def _entry(key: str, leaf: Any, chunk_bytes: int, bundle_bytes: int | None) -> E
       kind, impl = "prng_key", str(jax.random.key_impl(leaf))
       leaf = jax.random.key_data(leaf)
     shard_shape = leaf.sharding.shard_shape(leaf.shape)
-    block = _write_plan.block_shape(leaf.sharding, leaf.shape) or shard_shape
-    writers = _write_plan.writers(leaf.sharding, leaf.shape)
+    block = _owners.block_shape(leaf.sharding, leaf.shape) or shard_shape
+    writers = _owners.writers(leaf.sharding, leaf.shape)
     value = leaf
   elif type(leaf) in PY_SCALARS:
     python_type, np_type = PY_SCALARS[type(leaf)]

@@ -1,4 +1,4 @@
-"""Planning one stage of a mapping: which source names make which target key, checked whole.
+"""Matching one stage of a mapping: which source names make which target key, checked whole.
 
 Both directions check every name before any array is touched and raise one
 `MappingError` that lists every problem: names no rule matches, names two rules
@@ -41,7 +41,7 @@ class ExportEntry:
   rule: Rule
 
 
-def plan_import(
+def match_import(
   rules: tuple[Rule, ...],
   names: Iterable[str],
   infos: Mapping[str, ArrayInfo] | None = None,
@@ -166,7 +166,7 @@ def _forward_info(rule: Rule, first: ArrayInfo, layers: int) -> ArrayInfo:
   return ArrayInfo(shape, dtype.name, chunks)
 
 
-def plan_export(
+def match_export(
   rules: tuple[Rule, ...],
   shapes: Mapping[str, tuple[tuple[int, ...], np.dtype]],
   *,

@@ -6,7 +6,7 @@ data-parallel slice writing every replicated byte while the others idle, so a sh
 whose replicas live on several processes is split into units (the bundles or chunks a
 writer owns whole), and the processes holding it take turns. Which process takes which
 unit rotates with the array's key and the shard, so single-chunk arrays spread over the
-processes too. The plan is a pure function of the sharding, shape, units and key: every
+processes too. Ownership is a pure function of the sharding, shape, units and key: every
 process computes the same one without talking to the others. With one process it is
 exactly "replica 0 writes".
 

@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ucp_jax.store import _chunks, _regions, _write_plan, _zarr
+from ucp_jax.store import _chunks, _owners, _regions, _zarr
 
 
 class StandIn:
@@ -37,7 +37,7 @@ def simulated_mesh(shape, names, per_process=8) -> Mesh:
 
 def plan_of_every_process(key, sharding, shape, chunks):
   processes = {d.process_index for d in sharding.mesh.devices.flat}
-  return {p: _write_plan.of_sharding(key, sharding, shape, chunks, p) for p in processes}
+  return {p: _owners.of_sharding(key, sharding, shape, chunks, p) for p in processes}
 
 
 def chunk_owners(plans, shape, chunks) -> dict:
@@ -106,7 +106,7 @@ def test_one_process_writes_what_replica_zero_holds(devices):
   for spec, shape in [(P(), (64, 8)), (P(None, "m"), (64, 8)), (P("d"), (64, 8))]:
     x = jax.device_put(np.zeros(shape, np.float32), NamedSharding(mesh, spec))
     chunks = _zarr.choose_chunks(shape, x.sharding.shard_shape(shape), 4, 256)
-    plan = _write_plan.of_sharding("k", x.sharding, shape, chunks, 0)
+    plan = _owners.of_sharding("k", x.sharding, shape, chunks, 0)
     replica0 = {
       s.device: [_regions.normalize(s.index, shape)]
       for s in x.addressable_shards
@@ -117,8 +117,8 @@ def test_one_process_writes_what_replica_zero_holds(devices):
 
 def test_a_region_not_on_chunk_boundaries_is_never_cut():
   region = (slice(3, 19), slice(0, 8))
-  assert _write_plan.split(region, (4, 8), (19, 8), 4) == (region,)
-  cut = _write_plan.split((slice(0, 19), slice(0, 8)), (4, 8), (19, 8), 2)
+  assert _owners.split(region, (4, 8), (19, 8), 4) == (region,)
+  cut = _owners.split((slice(0, 19), slice(0, 8)), (4, 8), (19, 8), 2)
   assert cut == ((slice(0, 8), slice(0, 8)), (slice(8, 19), slice(0, 8)))
 
 
@@ -147,9 +147,9 @@ def test_an_unhashable_sharding_is_planned_each_time_not_refused():
   custom = _Unhashable(sharding)
   shape, chunks = (64, 32), (8, 8)
   for _ in range(2):
-    assert _write_plan.writers(custom, shape) == _write_plan.writers(sharding, shape) == 4
+    assert _owners.writers(custom, shape) == _owners.writers(sharding, shape) == 4
     for p in range(4):
-      assert _write_plan.of_sharding("k", custom, shape, chunks, p) == _write_plan.of_sharding(
+      assert _owners.of_sharding("k", custom, shape, chunks, p) == _owners.of_sharding(
         "k", sharding, shape, chunks, p
       )
   assert custom.calls == 2 * (1 + 4)  # never cached: `writers` once, the plan once per process
@@ -169,10 +169,10 @@ def test_clear_caches_empties_every_plan_cache():
   assert memo.get("a", lambda: made.append("a") or 4) == 4
 
   sharding = NamedSharding(simulated_mesh((2, 2), ("a", "b"), per_process=2), P("a"))
-  _write_plan.writers(sharding, (8, 8))
-  assert _write_plan._CACHE.get(("writers", sharding, (8, 8)), lambda: "made") != "made"
+  _owners.writers(sharding, (8, 8))
+  assert _owners._CACHE.get(("writers", sharding, (8, 8)), lambda: "made") != "made"
   _caches.clear_caches()
-  assert _write_plan._CACHE.get(("writers", sharding, (8, 8)), lambda: "made") == "made"
+  assert _owners._CACHE.get(("writers", sharding, (8, 8)), lambda: "made") == "made"
   assert memo.get("a", lambda: "again") == "again"
 
 
@@ -197,8 +197,8 @@ def test_bundles_by_process_have_one_writer_each(mesh_shape, names, shape, spec,
   sharding = NamedSharding(mesh, spec)
   shard = sharding.shard_shape(shape)
   chunks = _zarr.choose_chunks(shape, shard, 4, 256)
-  block = _write_plan.block_shape(sharding, shape) or shard
-  writers = _write_plan.writers(sharding, shape)
+  block = _owners.block_shape(sharding, shape) or shard
+  writers = _owners.writers(sharding, shape)
   bundle = _bundle.choose(shape, block, chunks, 4, limit, writers)
   unit = bundle or chunks
   plans = plan_of_every_process("w", sharding, shape, unit)
@@ -215,8 +215,8 @@ def test_a_process_block_is_one_bundle_replicated_or_not():
   shape = (256, 512)
   sharding = NamedSharding(mesh, P("fsdp", "tensor"))
   assert sharding.shard_shape(shape) == (128, 64)
-  assert _write_plan.block_shape(sharding, shape) == (128, 512)
-  blocks = _write_plan.blocks(sharding.devices_indices_map(shape), shape, lambda d: d.process_index)
+  assert _owners.block_shape(sharding, shape) == (128, 512)
+  blocks = _owners.blocks(sharding.devices_indices_map(shape), shape, lambda d: d.process_index)
   assert [holders for _, holders, _ in blocks.blocks] == [(0, 2, 4, 6), (1, 3, 5, 7)]
   plans = plan_of_every_process("w", sharding, shape, (128, 512))  # a block per bundle
   writers = {p for p, by_device in plans.items() if by_device}
@@ -230,7 +230,7 @@ def test_processes_that_hold_no_grid_keep_bundles_per_shard():
   devices = np.array([StandIn(i, 4) for i in range(n)])
   order = np.array([devices[(i % 4) * 4 + i // 4] for i in range(n)])
   sharding = NamedSharding(Mesh(order, ("x",)), P("x"))
-  assert _write_plan.block_shape(sharding, (64, 8)) is None
+  assert _owners.block_shape(sharding, (64, 8)) is None
   chunks = _zarr.choose_chunks((64, 8), (4, 8), 4, 64)
   owners = chunk_owners(plan_of_every_process("w", sharding, (64, 8), chunks), (64, 8), chunks)
   assert all(len(o) == 1 for o in owners.values())
