@@ -1,7 +1,7 @@
 """The code a user copies from README.md and docs/*.md runs as written; so do docstring examples.
 
 Every fenced block of those documents either runs or says, in a comment beside it, why not
-(the rules, and how to run one document's blocks by hand: tests/doc_blocks.py; the setups that
+(the rules, and how to run one document's blocks by hand: tests/support/doc_blocks.py; the setups that
 prepare what a block assumes, and the checks of what it promises: tests/doc_fixtures.py). A
 new block runs by default; one that cannot, or a fence without a language, fails
 `test_every_block_runs_or_says_why_not`. A document's blocks run in order in one process for
@@ -13,6 +13,7 @@ from __future__ import annotations
 import doctest
 import importlib
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -65,7 +66,7 @@ def test_every_block_runs_or_says_why_not():
         problems.append(f"{block.where}: no setup {block.setup!r} in tests/doc_fixtures.py")
       if block.check and block.check not in doc_fixtures.CHECKS:
         problems.append(f"{block.where}: no check {block.check!r} in tests/doc_fixtures.py")
-  assert not problems, "\n".join([*problems, "(the rules: tests/doc_blocks.py)"])
+  assert not problems, "\n".join([*problems, "(the rules: tests/support/doc_blocks.py)"])
 
 
 def test_the_documents_have_blocks_that_run():
@@ -125,10 +126,17 @@ def test_blocks_run(doc, lines, requires, tmp_path):
   missing = [m for m in requires if not _installed(m)]
   if missing:
     pytest.skip(f"needs {', '.join(missing)} (pip install 'ucp_jax[torch]' / .ci/run)")
-  command = [sys.executable, str(ROOT / "tests" / "doc_blocks.py"), doc, "--dir", str(tmp_path)]
+  script = ROOT / "tests" / "support" / "doc_blocks.py"
+  command = [sys.executable, str(script), doc, "--dir", str(tmp_path)]
   command += ["--lines", ",".join(map(str, lines))]
+  path = os.pathsep.join([str(ROOT / "scripts"), os.environ.get("PYTHONPATH", "")])  # torch twins
   proc = subprocess.run(
-    command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    command,
+    cwd=ROOT,
+    env={**os.environ, "PYTHONPATH": path},
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
   )
   assert proc.returncode == 0, f"{doc}: blocks at lines {lines} failed:\n{proc.stdout[-12000:]}"
 

@@ -54,7 +54,7 @@ def test_the_readme_in_a_fresh_venv_with_the_documented_install(tmp_path):
   assert "plot skipped: matplotlib is not installed (pip install matplotlib)" in demo.stdout
   lines = _base_groups()
   assert len(lines) >= 4, lines  # the screenful, Flax, rule sets, the training loop
-  script, groups = str(ROOT / "tests" / "doc_blocks.py"), ",".join(map(str, lines))
+  script, groups = str(ROOT / "tests" / "support" / "doc_blocks.py"), ",".join(map(str, lines))
   blocks = subprocess.run(
     [python, script, "README.md", "--lines", groups, "--dir", str(tmp_path / "blocks")],
     capture_output=True,

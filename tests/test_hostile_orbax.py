@@ -757,6 +757,6 @@ def test_the_training_state_schema_is_found_in_linear_time():
   worker.start()
   worker.join(120)  # a watchdog against a hang, not a measure of speed
   assert found, "the schema was not found within 120 s"
-  schema = found[0].schema
+  schema = found[0].schema.to_json()
   assert len(schema["params"]) == n and len(schema["optimizer"]["groups"]) == n
   assert schema["optimizer"]["groups"][7] == {"lr": 0.1}

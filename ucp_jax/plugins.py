@@ -16,6 +16,7 @@ plugin's `NAME`), which ucp_jax reads once, on the first look-up, importing a pl
 when it is used. A name is taken once. docs/plugins.md has a complete example.
 """
 
+from ucp_jax.sinks._registry import Destination as Destination
 from ucp_jax.sinks._registry import NoOptions as NoOptions
 from ucp_jax.sinks._registry import Sink as Sink
 from ucp_jax.sinks._registry import option as option
@@ -37,6 +38,7 @@ from ucp_jax.store._schema import Schema as Schema
 __all__ = [
   "ArrayInfo",
   "Checkpoint",
+  "Destination",
   "ExportReport",
   "NoOptions",
   "GroupEntry",

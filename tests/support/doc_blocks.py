@@ -19,7 +19,7 @@ it) runs in a fresh empty directory and a fresh namespace: python in-process, ba
 `bash -e` with `ucp` and `python` on PATH. Before a setup, JAX gets 8 CPU devices; a block
 that runs first without one has the default devices, as a reader would.
 
-`python tests/doc_blocks.py docs/orbax.md` runs one document's blocks (tests/
+`python tests/support/doc_blocks.py docs/orbax.md` runs one document's blocks (tests/
 test_docs_examples.py runs every document's, grouped into a few processes).
 """
 
@@ -169,7 +169,7 @@ def groups(blocks: list[Block]) -> tuple[list[Group], list[str]]:
   return [Group(tuple(g)) for g in found], problems
 
 
-# Running (in a process of its own: python tests/doc_blocks.py DOC [--lines L,...])
+# Running (in a process of its own: python tests/support/doc_blocks.py DOC [--lines L,...])
 
 
 def _environment(bin_dir: Path) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""Setups and checks for the code blocks of README.md and docs/*.md (see tests/doc_blocks.py).
+"""Setups and checks for the code blocks of README.md and docs/*.md (see tests/support/doc_blocks.py).
 
 A setup prepares what a block assumes a reader already has, and nothing the block shows:
 files in the block's empty directory (the current one) and names in its namespace. Every

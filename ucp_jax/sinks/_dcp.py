@@ -32,14 +32,13 @@ import io
 import os
 import pickle
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from ucp_jax.base import _errors
 from ucp_jax.sinks import _folder, _resolved
-from ucp_jax.sinks._registry import option
+from ucp_jax.sinks._registry import Destination, option
 from ucp_jax.sinks._report import ExportReport
 from ucp_jax.store import _checkpoint
 
@@ -66,33 +65,27 @@ class Options:
       raise _errors.InvalidArgumentError(f"ranks={ranks!r}: a number of rank files from 1 to 65536")
 
 
-def check_options(dst: str | os.PathLike, *, overwrite: bool, options: Options) -> None:
+def check_options(destination: Destination, options: Options) -> None:
   """Raises for a destination in the way (see `export`)."""
-  check_destination(dst, overwrite=overwrite)
+  check_destination(destination.path, overwrite=destination.overwrite)
 
 
 def export(
-  ckpt: _checkpoint.Checkpoint,
-  dst: str,
-  *,
-  overwrite: bool,
-  progress: Callable[[str, int, int], None] | None,
-  options: Options | None = None,
+  ckpt: _checkpoint.Checkpoint, destination: Destination, options: Options | None = None
 ) -> ExportReport:
   """Writes `ckpt` (torch names) as a DCP folder; see the module docstring.
 
   Args:
     ckpt: the checkpoint, with torch names (`export` maps Flax names first).
-    dst: the folder to create (or an earlier DCP export to replace, with `overwrite`).
-    overwrite: replace an earlier DCP export at `dst`.
-    progress: called as `progress(key, nbytes, total)` after each array.
+    destination: the folder to create (or an earlier export to replace), and progress.
     options: `ranks`, how many rank files to write, each tensor's dimension 0 cut in as many
       row blocks (as FSDP2 shards it on that many ranks); any number of ranks loads any.
   """
   options = Options() if options is None else options
   start = time.perf_counter()
   ranks = options.ranks
-  dst = check_destination(dst, overwrite=overwrite)
+  progress = destination.progress
+  dst = check_destination(destination.path, overwrite=destination.overwrite)
   torch = import_torch()
   schema = ckpt.manifest.typed_schema
   with_optimizer = schema is not None and schema.optimizer is not None and schema.optimizer.groups

@@ -33,7 +33,7 @@ import numpy as np
 
 from ucp_jax.base import _errors
 from ucp_jax.sinks import _folder, _moe_sink, _resolved
-from ucp_jax.sinks._registry import option
+from ucp_jax.sinks._registry import Destination, option
 from ucp_jax.sinks._report import ExportReport
 from ucp_jax.store import _checkpoint, _schema
 
@@ -142,26 +142,21 @@ class Options:
       )
 
 
-def check_options(dst: str | os.PathLike, *, overwrite: bool, options: Options) -> None:
+def check_options(destination: Destination, options: Options) -> None:
   """Raises for a bad `tag`, or a destination in the way (see `export`)."""
-  check_destination(dst, overwrite=overwrite, tag=options.tag)
+  check_destination(destination.path, overwrite=destination.overwrite, tag=options.tag)
 
 
 def export(
-  ckpt: _checkpoint.Checkpoint,
-  dst: str,
-  *,
-  overwrite: bool,
-  progress: Callable[[str, int, int], None] | None,
-  options: Options | None = None,
+  ckpt: _checkpoint.Checkpoint, destination: Destination, options: Options | None = None
 ) -> ExportReport:
   """Writes a DeepSpeed universal checkpoint of `ckpt` (torch names) at `dst`.
 
   Written to a staging directory beside `dst`, then renamed into place.
   """
   options = Options() if options is None else options
-  tag = options.tag
-  dst = check_destination(dst, overwrite=overwrite, tag=tag)
+  tag, progress = options.tag, destination.progress
+  dst = check_destination(destination.path, overwrite=destination.overwrite, tag=tag)
   state = _resolved.resolve(ckpt)
   return write(ckpt, state, dst, zero_stage=options.zero_stage, tag=tag, progress=progress)
 

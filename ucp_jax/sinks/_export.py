@@ -74,7 +74,8 @@ def export(
   """
   sink = _registry.get(format)
   chosen = _registry.options_of(sink, options)
-  sink.check_options(dst, overwrite=overwrite, options=chosen)  # before anything is read
+  destination = _registry.Destination(os.fspath(dst), overwrite, progress)
+  sink.check_options(destination, chosen)  # before anything is read
   opened = ckpt if isinstance(ckpt, _checkpoint.Checkpoint) else _reader.open(ckpt)
   opened, inferred = _resolved.inferred(opened)
   schema = opened.manifest.typed_schema
@@ -87,9 +88,7 @@ def export(
   if rules is not None and naming != "torch":
     _resolved.check_jax_only(opened)
     opened = _flax_names.torch_named(opened, rules)
-  report = sink.export(
-    opened, os.fspath(dst), overwrite=overwrite, progress=progress, options=chosen
-  )
+  report = sink.export(opened, destination, chosen)
   notes = [inferred] if inferred else []
   if rules is not None and naming == "torch":
     notes.append("rules were not used: the checkpoint's parameters already have torch names")

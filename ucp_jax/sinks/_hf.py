@@ -20,14 +20,13 @@ import json
 import os
 import re
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from ucp_jax.base import _errors
 from ucp_jax.sinks import _folder, _resolved
-from ucp_jax.sinks._registry import option
+from ucp_jax.sinks._registry import Destination, option
 from ucp_jax.sinks._report import ExportReport
 from ucp_jax.store import _checkpoint, _untrusted
 
@@ -76,32 +75,26 @@ class Options:
       _read_config(self.config)
 
 
-def check_options(dst: str | os.PathLike, *, overwrite: bool, options: Options) -> None:
+def check_options(destination: Destination, options: Options) -> None:
   """Raises for a destination in the way (see `export`)."""
-  check_destination(dst, overwrite=overwrite)
+  check_destination(destination.path, overwrite=destination.overwrite)
 
 
 def export(
-  ckpt: _checkpoint.Checkpoint,
-  dst: str,
-  *,
-  overwrite: bool,
-  progress: Callable[[str, int, int], None] | None,
-  options: Options | None = None,
+  ckpt: _checkpoint.Checkpoint, destination: Destination, options: Options | None = None
 ) -> ExportReport:
   """Writes `ckpt`'s parameters and buffers (torch names) as a Hugging Face model folder.
 
   Args:
     ckpt: the checkpoint, with torch names (`export` maps Flax names first).
-    dst: the folder to create (or an earlier HF export to replace, with `overwrite`).
-    overwrite: replace an earlier HF export at `dst`.
-    progress: called as `progress(name, nbytes, total)` after each tensor.
+    destination: the folder to create (or an earlier export to replace), and progress.
     options: the config, shard size and dtype (`Options`).
   """
   options = Options() if options is None else options
   start = time.perf_counter()
   config, max_shard_size, dtype = options.config, options.max_shard_size, options.dtype
-  dst = check_destination(dst, overwrite=overwrite)
+  progress = destination.progress
+  dst = check_destination(destination.path, overwrite=destination.overwrite)
   weights = _resolved.weights(ckpt)
   target = _dtype(dtype)
   tensors = [(p.name, p.value) for p in (*weights.params, *weights.buffers)]

@@ -35,7 +35,7 @@ import numpy as np
 
 from ucp_jax.base import _errors
 from ucp_jax.sinks import _folder
-from ucp_jax.sinks._registry import option
+from ucp_jax.sinks._registry import Destination, option
 from ucp_jax.sinks._report import ExportReport
 from ucp_jax.store import _checkpoint, _keypath, _zarr
 
@@ -96,26 +96,19 @@ class Options:
       raise _errors.InvalidArgumentError("; ".join(problems))
 
 
-def check_options(dst: str | os.PathLike, *, overwrite: bool, options: Options) -> None:
+def check_options(destination: Destination, options: Options) -> None:
   """Raises for a destination in the way (see `export`)."""
-  check_destination(dst, overwrite=overwrite)
+  check_destination(destination.path, overwrite=destination.overwrite)
 
 
 def export(
-  ckpt: _checkpoint.Checkpoint,
-  dst: str,
-  *,
-  overwrite: bool,
-  progress: Callable[[str, int, int], None] | None,
-  options: Options | None = None,
+  ckpt: _checkpoint.Checkpoint, destination: Destination, options: Options | None = None
 ) -> ExportReport:
   """Writes every array of `ckpt` as an Orbax checkpoint of its tree.
 
   Args:
     ckpt: the checkpoint (any `ucp_jax.open` reads: a ucp_jax checkpoint, an Orbax folder).
-    dst: the folder to create (or an earlier Orbax export to replace, with `overwrite`).
-    overwrite: replace an earlier Orbax export at `dst`.
-    progress: called as `progress(key, nbytes, total)` after each array is read.
+    destination: the folder to create (or an earlier export to replace), and progress.
     options: the layout and tree (`Options`).
 
   Raises:
@@ -126,7 +119,8 @@ def export(
   nnx, target = options.nnx, options.target
   ocdbt, zarr3, compression = options.ocdbt, options.zarr3, options.compression
   chunk_bytes = options.chunk_bytes
-  dst = check_destination(dst, overwrite=overwrite)
+  progress = destination.progress
+  dst = check_destination(destination.path, overwrite=destination.overwrite)
   keys = ckpt.keys()
   if not keys:
     raise _errors.InvalidArgumentError(f"{ckpt.location}: no arrays: Orbax saves no empty tree")

@@ -39,19 +39,26 @@ class Sink(Protocol):
   """A frozen dataclass of the options the sink takes (`option` makes each field); building
   one checks the values (raises `InvalidArgumentError`)."""
 
-  def check_options(self, dst, *, overwrite: bool, options: Any) -> None:
+  def check_options(self, destination: Destination, options: Any) -> None:
     """Raises for a destination in the way (given the options), before anything is read."""
 
-  def export(
-    self,
-    ckpt: Checkpoint,
-    dst: str,
-    *,
-    overwrite: bool,
-    progress: Callable[[str, int, int], None] | None,
-    options: Any,
-  ) -> ExportReport:
-    """Writes `ckpt` to `dst`, calling `progress(item, nbytes, total)` after each item."""
+  def export(self, ckpt: Checkpoint, destination: Destination, options: Any) -> ExportReport:
+    """Writes `ckpt` to `destination.path`, reporting each item to `destination.progress`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Destination:
+  """Where an export writes, whatever the format.
+
+  Attributes:
+    path: the folder to create, or an earlier export of the same format to replace.
+    overwrite: replace an earlier export of the same format at `path` (nothing else).
+    progress: called as `progress(item, nbytes, total)` after each item is written.
+  """
+
+  path: str
+  overwrite: bool = False
+  progress: Callable[[str, int, int], None] | None = None
 
 
 def option(
