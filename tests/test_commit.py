@@ -552,7 +552,7 @@ def test_an_interrupt_while_a_save_starts_leaves_no_lock_held(tmp_path, monkeypa
 
 
 def test_an_export_cut_between_its_renames_is_put_back_before_it_is_replaced(tmp_path):
-  from ucp_jax.sinks import _folder
+  from ucp_jax.sinks import _folder, _registry
 
   dst = tmp_path / "out"
   with _folder.staged(str(dst)) as staging:
@@ -564,7 +564,9 @@ def test_an_export_cut_between_its_renames_is_put_back_before_it_is_replaced(tmp
   (staged / "weights.bin").write_bytes(b"new")
   _folder.write_marker(str(staged), "test", files=["weights.bin"])
   with pytest.raises(ucp_jax.CheckpointExistsError, match="overwrite=True"):
-    _folder.check_destination(dst, overwrite=False, not_an_export=lambda p: [], what="a test")
+    _folder.check_destination(
+      _registry.Destination(str(dst)), not_an_export=lambda p: [], what="a test"
+    )
   assert (dst / "weights.bin").read_bytes() == b"new"  # the new one, put in place
   assert sorted(os.listdir(tmp_path)) == ["out"]
 

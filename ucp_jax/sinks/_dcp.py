@@ -65,11 +65,6 @@ class Options:
       raise _errors.InvalidArgumentError(f"ranks={ranks!r}: a number of rank files from 1 to 65536")
 
 
-def check_options(destination: Destination, options: Options) -> None:
-  """Raises for a destination in the way (see `export`)."""
-  check_destination(destination.path, overwrite=destination.overwrite)
-
-
 def export(
   ckpt: _checkpoint.Checkpoint, destination: Destination, options: Options | None = None
 ) -> ExportReport:
@@ -85,7 +80,7 @@ def export(
   start = time.perf_counter()
   ranks = options.ranks
   progress = destination.progress
-  dst = check_destination(destination.path, overwrite=destination.overwrite)
+  dst = check_options(destination)
   torch = import_torch()
   schema = ckpt.manifest.typed_schema
   with_optimizer = schema is not None and schema.optimizer is not None and schema.optimizer.groups
@@ -157,11 +152,9 @@ def import_torch():
   return torch
 
 
-def check_destination(dst: str | os.PathLike, *, overwrite: bool) -> str:
+def check_options(destination: Destination, options: Options | None = None) -> str:
   """The absolute export path, or an error: an existing folder must be an earlier DCP export."""
-  return _folder.check_destination(
-    dst, overwrite=overwrite, not_an_export=_not_an_export, what="a DCP export"
-  )
+  return _folder.check_destination(destination, not_an_export=_not_an_export, what="a DCP export")
 
 
 def _not_an_export(path: str) -> list[str]:

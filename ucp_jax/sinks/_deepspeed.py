@@ -65,18 +65,20 @@ def import_torch():
   return torch
 
 
-def check_destination(dst: str | os.PathLike, *, overwrite: bool, tag: str | None) -> str:
-  """The absolute export path, or an error if writing there would lose something.
+def check_options(destination: Destination, options: Options) -> str:
+  """The absolute export path, or an error if writing there would lose something (or a bad
+  `tag`).
 
-  An existing, non-empty `dst` is replaced only if it is an earlier export, exactly: its
+  An existing, non-empty destination is replaced only if it is an earlier export, exactly: its
   `ucp_export.json`, `latest_universal` and the tag folders that file names, holding
   nothing but what an export writes. A DeepSpeed training folder (`latest`, `global_stepN/`
   with rank files) is refused whatever `overwrite` says, and nothing in it is touched.
   """
+  tag = options.tag
   if tag is not None and not _resolved.valid_name(tag):
     raise _errors.InvalidArgumentError(f"tag {tag!r}: not usable as a directory name")
   return _folder.check_destination(
-    dst, overwrite=overwrite, not_an_export=_not_an_export, what="a DeepSpeed export"
+    destination, not_an_export=_not_an_export, what="a DeepSpeed export"
   )
 
 
@@ -142,11 +144,6 @@ class Options:
       )
 
 
-def check_options(destination: Destination, options: Options) -> None:
-  """Raises for a bad `tag`, or a destination in the way (see `export`)."""
-  check_destination(destination.path, overwrite=destination.overwrite, tag=options.tag)
-
-
 def export(
   ckpt: _checkpoint.Checkpoint, destination: Destination, options: Options | None = None
 ) -> ExportReport:
@@ -156,7 +153,7 @@ def export(
   """
   options = Options() if options is None else options
   tag, progress = options.tag, destination.progress
-  dst = check_destination(destination.path, overwrite=destination.overwrite, tag=tag)
+  dst = check_options(destination, options)
   state = _resolved.resolve(ckpt)
   return write(ckpt, state, dst, zero_stage=options.zero_stage, tag=tag, progress=progress)
 

@@ -19,6 +19,7 @@ import secrets
 from collections.abc import Callable, Iterator
 
 from ucp_jax.base import _errors
+from ucp_jax.sinks._registry import Destination
 from ucp_jax.store import _commit, _location, _swap
 
 MARKER = "ucp_export.json"
@@ -26,18 +27,17 @@ MARKER = "ucp_export.json"
 
 
 def check_destination(
-  dst: str | os.PathLike, *, overwrite: bool, not_an_export: Callable[[str], list[str]], what: str
+  destination: Destination, *, not_an_export: Callable[[str], list[str]], what: str
 ) -> str:
   """The absolute export path, or an error if writing there would lose something.
 
   Args:
-    dst: the destination folder.
-    overwrite: whether an earlier export there may be replaced.
+    destination: the destination folder, and whether an earlier export there may be replaced.
     not_an_export: what in an existing folder an export of this format does not write
       (empty: it is an earlier export).
     what: the export's name for messages ("a DeepSpeed export").
   """
-  path = _location.named(dst)
+  path, overwrite = _location.named(destination.path), destination.overwrite
   if "://" in path:
     raise _errors.InvalidArgumentError(f"{path}: {what} is written to a local directory")
   path = os.path.abspath(path)

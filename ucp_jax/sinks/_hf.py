@@ -75,11 +75,6 @@ class Options:
       _read_config(self.config)
 
 
-def check_options(destination: Destination, options: Options) -> None:
-  """Raises for a destination in the way (see `export`)."""
-  check_destination(destination.path, overwrite=destination.overwrite)
-
-
 def export(
   ckpt: _checkpoint.Checkpoint, destination: Destination, options: Options | None = None
 ) -> ExportReport:
@@ -94,7 +89,7 @@ def export(
   start = time.perf_counter()
   config, max_shard_size, dtype = options.config, options.max_shard_size, options.dtype
   progress = destination.progress
-  dst = check_destination(destination.path, overwrite=destination.overwrite)
+  dst = check_options(destination)
   weights = _resolved.weights(ckpt)
   target = _dtype(dtype)
   tensors = [(p.name, p.value) for p in (*weights.params, *weights.buffers)]
@@ -160,10 +155,10 @@ def _write_folder(ckpt, dst: str, shards, target, config: dict | None, progress)
   return written
 
 
-def check_destination(dst: str | os.PathLike, *, overwrite: bool) -> str:
+def check_options(destination: Destination, options: Options | None = None) -> str:
   """The absolute export path, or an error: an existing folder must be an earlier HF export."""
   return _folder.check_destination(
-    dst, overwrite=overwrite, not_an_export=_not_an_export, what="a Hugging Face export"
+    destination, not_an_export=_not_an_export, what="a Hugging Face export"
   )
 
 

@@ -96,11 +96,6 @@ class Options:
       raise _errors.InvalidArgumentError("; ".join(problems))
 
 
-def check_options(destination: Destination, options: Options) -> None:
-  """Raises for a destination in the way (see `export`)."""
-  check_destination(destination.path, overwrite=destination.overwrite)
-
-
 def export(
   ckpt: _checkpoint.Checkpoint, destination: Destination, options: Options | None = None
 ) -> ExportReport:
@@ -120,7 +115,7 @@ def export(
   ocdbt, zarr3, compression = options.ocdbt, options.zarr3, options.compression
   chunk_bytes = options.chunk_bytes
   progress = destination.progress
-  dst = check_destination(destination.path, overwrite=destination.overwrite)
+  dst = check_options(destination)
   keys = ckpt.keys()
   if not keys:
     raise _errors.InvalidArgumentError(f"{ckpt.location}: no arrays: Orbax saves no empty tree")
@@ -168,10 +163,10 @@ def _write_tree(ckpt, keys: list[str], shape: _Shape, staging: str, storage, pro
     shutil.rmtree(scratch, ignore_errors=True)
 
 
-def check_destination(dst: str | os.PathLike, *, overwrite: bool) -> str:
+def check_options(destination: Destination, options: Options | None = None) -> str:
   """The absolute export path, or an error: an existing folder must be an earlier Orbax export."""
   return _folder.check_destination(
-    dst, overwrite=overwrite, not_an_export=_not_an_export, what="an Orbax export"
+    destination, not_an_export=_not_an_export, what="an Orbax export"
   )
 
 

@@ -39,8 +39,9 @@ class Sink(Protocol):
   """A frozen dataclass of the options the sink takes (`option` makes each field); building
   one checks the values (raises `InvalidArgumentError`)."""
 
-  def check_options(self, destination: Destination, options: Any) -> None:
-    """Raises for a destination in the way (given the options), before anything is read."""
+  def check_options(self, destination: Destination, options: Any) -> object:
+    """Raises for a destination in the way (given the options), before anything is read;
+    what it returns is not used (the built-in sinks return the checked path)."""
 
   def export(self, ckpt: Checkpoint, destination: Destination, options: Any) -> ExportReport:
     """Writes `ckpt` to `destination.path`, reporting each item to `destination.progress`."""
