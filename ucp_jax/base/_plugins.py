@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from ucp_jax.base import _errors
@@ -70,6 +70,13 @@ class Registry(Mapping[str, Any]):
       )
     self._where[name] = plugin
     self._loaded[name] = plugin
+
+  def lookup(self, name: str, unknown: Callable[[str], str]) -> Any:
+    """The plugin `name`, or an `InvalidArgumentError` saying `unknown(names)` (the
+    registered names, in order)."""
+    if name not in self:
+      raise _errors.InvalidArgumentError(unknown(", ".join(self)))
+    return self[name]
 
   def __getitem__(self, name: str) -> Any:
     self._read_entry_points()

@@ -107,11 +107,7 @@ def get(format: str) -> Sink:
   Raises:
     InvalidArgumentError: no sink of that name (the message lists them).
   """
-  if format not in SINKS:
-    raise _errors.InvalidArgumentError(
-      f"format {format!r}: ucp_jax exports to {', '.join(sorted(SINKS))}"
-    )
-  return SINKS[format]
+  return SINKS.lookup(format, lambda names: f"format {format!r}: ucp_jax exports to {names}")
 
 
 def option_fields(sink: Sink) -> tuple[dataclasses.Field, ...]:

@@ -72,11 +72,9 @@ def get(name: str) -> Source:
   Raises:
     InvalidArgumentError: no source of that name (the message lists them).
   """
-  if name not in SOURCES:
-    raise _errors.InvalidArgumentError(
-      f"source {name!r}: ucp_jax reads {', '.join(SOURCES)} (and its own checkpoints)"
-    )
-  return SOURCES[name]
+  return SOURCES.lookup(
+    name, lambda names: f"source {name!r}: ucp_jax reads {names} (and its own checkpoints)"
+  )
 
 
 def sniff(path: str | os.PathLike) -> Source | None:
