@@ -18,6 +18,7 @@ QWEN |= {"max_window_layers": 28, "layer_types": None}
 
 def _qwen(r: Reader, kind: str) -> Callable[[], _configs.LlamaConfig]:
   sizes, common = hf.sizes(r), hf.common(r)
+  extra: dict[str, bool | str]
   if kind == "qwen2":  # Qwen2: q/k/v biases always, `attention_bias` unread
     extra = {"qkv_bias": True}
   else:

@@ -131,7 +131,7 @@ def on_auto_axes(forward, module, tokens: jax.Array, probe: jax.Array) -> jax.Ar
   mesh = getattr(jax.typeof(probe).sharding, "mesh", None)
   types = dict(zip(getattr(mesh, "axis_names", ()), getattr(mesh, "axis_types", ())))
   explicit = tuple(a for a, kind in types.items() if kind == jax.sharding.AxisType.Explicit)
-  if not explicit:
+  if mesh is None or not explicit:
     return forward(module, tokens)
   spec = getattr(jax.typeof(tokens).sharding, "spec", None) or P()
   out = P(*tuple(spec), *(None,) * (tokens.ndim + 1 - len(tuple(spec))))

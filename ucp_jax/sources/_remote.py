@@ -12,8 +12,6 @@ import concurrent.futures
 import dataclasses
 import threading
 
-import tensorstore as ts
-
 from ucp_jax.base._errors import SourceFormatError
 from ucp_jax.store import _location, _threads
 
@@ -32,7 +30,7 @@ class Folder:
   """The objects directly below a URL prefix."""
 
   url: str
-  store: ts.KvStore = dataclasses.field(compare=False, repr=False)
+  store: _location.KvStore = dataclasses.field(compare=False, repr=False)
 
   @classmethod
   def at(cls, url: str) -> Folder:

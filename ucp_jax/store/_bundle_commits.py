@@ -48,6 +48,7 @@ class BundleCommits:
         slice(i * b, min((i + 1) * b, s.stop)) for i, b, s in zip(where, info.bundle, extent)
       )
       part = _regions.overlap(region, bundle)
+      assert part is not None  # counts name only the bundles the region meets
       with self._lock:
         entry = self._open.get((key, where))
         if entry is None:

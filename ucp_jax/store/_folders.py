@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from typing import Any
 
 import numpy as np
 
@@ -52,7 +53,7 @@ def write_groups(location: _location.Location, keys: list[str], durable: bool = 
   }
   if location.local_dir is not None:
     root = location.local_dir
-    futures = [
+    futures: list[Any] = [  # (a file's, or an object's write)
       _threads.submit_or_run(write_file, os.path.join(root, name), raw, durable)
       for name, raw in names.items()
     ]

@@ -137,6 +137,7 @@ class Linker:
     return _threads.submit(self._link_all, key, file_indices(info, regions))
 
   def _link_all(self, key: str, names: list) -> None:
+    assert self._base.local_dir is not None  # links are made on a local disk only
     for index in names:
       src = _direct.chunk_path(self._base.io_path(key), index)
       dst = _direct.chunk_path(os.path.join(self._staging, key), index)

@@ -33,6 +33,7 @@ def merge_tables(
   for raw in entries[1:]:
     _chunks.merge_entries(tables, keys, raw, hashed)
   for key, info in reused.items():  # the base's chunks, checked by place as its own
+    assert info.checksums is not None  # a base's arrays were read from its sealed manifest
     tables[key].fill(info.checksums, info.hashes)
   incomplete = [
     f"{k}: {t.missing()} of {t.written.size} chunks not written"

@@ -15,6 +15,7 @@ from ucp_jax.store import _chunks, _location, _zarr
 if TYPE_CHECKING:
   import tensorstore as ts
 
+  from ucp_jax.store._direct import ArrayFiles
   from ucp_jax.store._location import Location
   from ucp_jax.store._manifest import ArrayInfo
 
@@ -30,6 +31,7 @@ class Verifiable(Protocol):
   def zarr_future(self, key: str) -> ts.Future: ...
   def tensorstore(self, key: str) -> ts.TensorStore: ...
   def start_read(self, key: str, regions: list) -> tuple[list, Callable[[], None]]: ...
+  def files(self, key: str) -> ArrayFiles | None: ...
 
 
 _BLOCK_BYTES = 64 << 20

@@ -116,7 +116,9 @@ def _prepare(tree: Any, shardings: Any) -> tuple[Any, dict, dict, dict]:
   return unflatten, numbers, arrays, targets
 
 
-def _auto(arrays: dict[str, jax.Array], targets: dict[str, Any]) -> tuple[str, str]:
+def _auto(
+  arrays: dict[str, jax.Array], targets: dict[str, Any]
+) -> tuple[Literal["host", "device_put"], str]:
   """`method="auto"`'s rule: (path, reason), from the platforms, the processes and the sizes."""
   problems = _host_copy_problems(arrays, targets, first=True)
   if problems:

@@ -191,7 +191,8 @@ def _given(
   """Ids -> the names given for each group, checked against the parameters."""
   if not isinstance(names, (list, tuple)) or len(names) != len(ids):
     raise SourceFormatError(f"{file}: {what} must list the names of each of the {len(ids)} groups")
-  out, problems = {}, []
+  out: dict = {}
+  problems: list[str] = []
   for g, (group_names, group_ids) in enumerate(zip(names, ids)):
     if not isinstance(group_names, (list, tuple)) or len(group_names) != len(group_ids):
       problems.append(f"group {g}: {len(group_ids)} parameter ids, names {group_names!r:.80}")

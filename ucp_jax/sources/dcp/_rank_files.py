@@ -67,7 +67,7 @@ def check(folder: str, spans: Spans, fs: _files.Files) -> list[str]:
 def _check_spans(full: str, users: list, size: int | None) -> list[str]:
   """Spans past the end of the file (`size`, if known) and spans that overlap: each blob is
   a whole file of its own, so two spans are the same bytes (an alias) or share none."""
-  problems = []
+  problems: list[str] = []
   end, last, previous = 0, None, None
   past_end: list[int] = []  # where the entries that lie past the end of the file end
   for key, at, blob in sorted(users, key=lambda u: (u[2].stored.offset, u[2].stored.length)):

@@ -27,7 +27,7 @@ from ucp_jax.sources._byte_span import ByteSpan
 from ucp_jax.sources._torch_reader._torch_file import InertObject, is_tensor
 
 try:  # the parser behind `re.compile`: Python >= 3.11, then 3.10
-  from re import _parser as _sre_parse
+  from re import _parser as _sre_parse  # type: ignore[attr-defined]  # private: no stubs
 except ImportError:  # pragma: no cover
   import sre_parse as _sre_parse
 

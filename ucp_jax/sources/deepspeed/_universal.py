@@ -24,7 +24,7 @@ from ucp_jax.sources._torch_reader._torch_file import is_tensor
 from ucp_jax.sources.deepspeed import _common as common
 from ucp_jax.sources.deepspeed import _contract as contract
 from ucp_jax.sources.deepspeed import _experts, _moe, _zero, _zero3
-from ucp_jax.store import _untrusted
+from ucp_jax.store import _schema, _untrusted
 
 _ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_([0-9]+)_mp_rank_00_model_states\.pt\Z")
 
@@ -78,7 +78,7 @@ def plan(folder: str) -> Plan:
     optimizer=common.optimizer_entry(groups, group_steps, model.get("ds_config")),
     extra=common.extra(model, source_layout),
     source=common.source(folder, "universal", source_layout),
-    step=common.number(model["global_steps"]),
+    step=_schema.integer_or_none(common.number(model["global_steps"])),
     path=folder,
   )
 

@@ -131,7 +131,8 @@ def match_index(index_path: str, weight_map: dict[str, str], found: dict[str, li
     SourceFormatError: a tensor in two shards, in a shard the index does not name for it,
       or listed in the index and in no shard (all named).
   """
-  problems, seen = [], {}
+  problems: list[str] = []
+  seen: dict[str, str] = {}
   for file, names in found.items():
     for name in names:
       if name in seen:

@@ -193,12 +193,14 @@ def _ranged(file: st.SafetensorsFile, info: st.TensorInfo):
   shape, dtype = info.shape, info.dtype
   row = math.prod(shape[1:]) * dtype.itemsize
   rows = max(1, _RANGE_BYTES // max(1, row))
+  fetch = file.fetch
+  assert fetch is not None  # a file on an object store: read by ranges
 
   def read(region: tuple[slice, ...], out) -> None:
     start, stop = (region[0].start, region[0].stop) if shape else (0, 1)
     if out.size:
       _untrusted.check_allocation((stop - start) * row, info.where)
-    raw = file.fetch(info.begin + start * row, info.begin + stop * row) if out.size else b""
+    raw = fetch(info.begin + start * row, info.begin + stop * row) if out.size else b""
     out[...] = np.frombuffer(raw, dtype).reshape(out.shape)
 
   return lazy_store(shape, dtype, (rows, *shape[1:]), read)

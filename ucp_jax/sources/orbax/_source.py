@@ -138,7 +138,7 @@ def _open_all(meta: _tree_metadata.TreeMetadata, folder: dict) -> dict[str, Tens
   shown = {leaf.name: f"{meta.folder}/{leaf.shown}/{document}{inside}" for leaf in meta.leaves}
   refused = _checks.metadata_problems(_kvstore(meta, folder), list(shown), document, shown, context)
   failures = _Failures()
-  futures = []
+  futures: list[tuple[Any, Any]] = []  # (leaf, an opening TensorStore or why it was refused)
   for leaf in meta.leaves:
     if leaf.name in refused:
       failures.add(refused[leaf.name], f"{shown[leaf.name]} (`{leaf.key}`)")

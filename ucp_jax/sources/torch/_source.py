@@ -167,7 +167,9 @@ def split(data: Any, file: str) -> tuple[dict, str | None, Any, str, dict]:
 def _wrapper_step(rest: dict, step: int | None) -> int | None:
   for key in STEP_KEYS:
     value = rest.get(key)
-    if (isinstance(value, (int, np.integer)) or is_tensor(value)) and np.ndim(value) == 0:
+    if value is not None and (isinstance(value, (int, np.integer)) or is_tensor(value)):
+      if np.ndim(value) != 0:
+        continue
       value = number(value)
       if isinstance(value, int):
         return value
