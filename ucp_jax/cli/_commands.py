@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 
 from rich.console import Console
 from rich.markup import escape
@@ -18,7 +19,7 @@ from ucp_jax.cli._progress import Reporter, human
 from ucp_jax.store import _checkpoint, _reader
 from ucp_jax.store._schema import Schema
 
-COMMANDS = {}
+COMMANDS: dict[str, Callable[..., int]] = {}
 """Subcommand name -> its function (filled by `@_command`)."""
 
 
@@ -71,8 +72,9 @@ def cmd_inspect(args, out: Console, err: Console) -> int:
     out.print_json(json.dumps(data))
     return 0
   table = Table(title=f"{ckpt.location}  (step {m.step})", title_justify="left")
-  for col, justify in (("key", "left"), ("shape", "left"), ("dtype", "left"), ("bytes", "right")):
-    table.add_column(col, justify=justify)
+  for col in ("key", "shape", "dtype"):
+    table.add_column(col, justify="left")
+  table.add_column("bytes", justify="right")
   for key in ckpt.keys():
     info = m.arrays[key]
     dtype = info.dtype if info.kind == "array" else f"{info.dtype} ({info.kind})"

@@ -298,7 +298,7 @@ def transformation_hyperparams(tx: Any) -> dict:
   while stack:
     fn, depth = stack.pop()
     code = getattr(fn, "__code__", None)
-    if code is None or id(fn) in seen or depth > 8:
+    if fn is None or code is None or id(fn) in seen or depth > 8:
       continue
     seen.add(id(fn))
     cells = dict(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))

@@ -184,8 +184,9 @@ def _jax_only(flat: dict[str, Any], layout: Layout, slots: _optax.SlotMap) -> li
   ]
   for acc in slots.accumulators:
     mini = flat.get(acc.mini_step_key) if acc.mini_step_key else None
-    entry = {"state": acc.prefix, "form": "MultiStepsState", "slots": ["acc_grads"]}
-    entry.update(mini_step=int(np.asarray(mini)) if mini is not None else 0, export="drop")
+    mini_step = int(np.asarray(mini)) if mini is not None else 0
+    entry: dict[str, Any] = {"state": acc.prefix, "form": "MultiStepsState"}
+    entry.update(slots=["acc_grads"], mini_step=mini_step, export="drop")
     out.append(entry)
   for where in _outside(flat, layout):
     out.append({"state": where, "form": "not optimizer state", "slots": [], "export": "drop"})

@@ -183,6 +183,7 @@ class LlamaConfig:
   @property
   def rot_dim(self) -> int:
     """The features of each head RoPE rotates."""
+    assert self.head_dim is not None  # filled in at construction
     return int(self.head_dim * self.partial_rotary)
 
   def sliding(self, layer: int) -> bool:

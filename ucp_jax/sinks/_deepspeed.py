@@ -26,7 +26,7 @@ import dataclasses
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -216,7 +216,7 @@ def _stages(state: _resolved.ResolvedState, zero_stage: int | None) -> tuple[int
   return (3,) if zero_stage == 3 else (1, 2)
 
 
-def common_hyperparameters(groups: tuple[dict[str, Any], ...]) -> dict[str, Any]:
+def common_hyperparameters(groups: Sequence[dict[str, Any]]) -> dict[str, Any]:
   """The hyperparameters every group shares (all that DeepSpeed's ZeRO-3 loader can apply)."""
   first = groups[0]
   return {k: v for k, v in first.items() if all(k in g and g[k] == v for g in groups[1:])}
@@ -346,7 +346,9 @@ class _Writer:
       if real in module:
         module[alias] = module[real]
     module.update((b.name, self.extras[b.name]) for b in state.buffers)
-    shapes = [collections.OrderedDict() for _ in self.groups]
+    shapes: list[collections.OrderedDict[str, Any]] = [
+      collections.OrderedDict() for _ in self.groups
+    ]
     for p in state.trainable:
       for name in self.expert_names.get(p.name, [p.name]):
         shape = p.shape[1:] if p.name in self.expert_names else p.shape

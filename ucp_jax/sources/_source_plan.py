@@ -153,7 +153,7 @@ CELL_READS = 16
 CELL_CACHE_BYTES = 64 << 20
 """Memory the cells of lazy source arrays may hold at once, so that the devices of a restore
 whose slices share a cell read it once (each array opened anew: none sees an older file's)."""
-_CELL_CONTEXT = None
+_CELL_CONTEXT: Any = None  # a ts.Context, made on first use
 
 
 def fixed(pieces: Sequence[np.ndarray]) -> Pieces:
@@ -245,7 +245,8 @@ def jsonable(obj: Any, *, max_list: int = 1024) -> Any:
     obj = obj.read()  # a small tensor of a file on an object store
   if isinstance(obj, (np.ndarray, ByteSpan)):
     if obj.ndim == 0 or obj.size <= max_list:
-      return jsonable(obj.astype(np.float64).tolist() if obj.dtype.kind == "V" else obj.tolist())
+      held = np.asarray(obj)
+      return jsonable(held.astype(np.float64).tolist() if held.dtype.kind == "V" else held.tolist())
     return {"__array__": {"shape": list(obj.shape), "dtype": str(obj.dtype)}}
   if isinstance(obj, dict):
     return {str(k): jsonable(v, max_list=max_list) for k, v in obj.items()}

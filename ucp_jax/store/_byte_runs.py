@@ -50,7 +50,9 @@ def start_read(
 
 def byte_view(out: np.ndarray) -> memoryview:
   """The bytes of the C-contiguous `out`, writable."""
-  return memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(bytearray())
+  if not out.size:
+    return memoryview(bytearray())
+  return memoryview(out.reshape(-1).view(np.uint8))  # type: ignore[arg-type]  # numpy<3.12 stubs
 
 
 def read_full(fd: int, at: int, view: memoryview) -> int:

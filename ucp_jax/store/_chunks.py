@@ -60,7 +60,7 @@ def raw_bytes(block: np.ndarray) -> memoryview:
     return memoryview(b"")
   if block.dtype.byteorder == ">":
     block = block.astype(block.dtype.newbyteorder("<"))
-  return memoryview(block.reshape(-1).view(np.uint8))  # type: ignore[arg-type]  (numpy: a buffer)
+  return memoryview(block.reshape(-1).view(np.uint8))  # type: ignore[arg-type]  # numpy<3.12 stubs
 
 
 def of_block(block: np.ndarray, chunks: Sequence[int]) -> int:

@@ -144,7 +144,9 @@ class ArrayFiles:
 
 def _read_index(files: ArrayFiles, path: str, shown: str) -> np.ndarray:
   """The checked index table of the bundle file at `path`."""
-  layout = files._bundles[0]
+  bundles = files._bundles
+  assert bundles is not None  # only a bundled array's files have indexes
+  layout = bundles[0]
   try:
     with _open_chunks(files, path, shown) as f:
       size = os.fstat(f.fileno()).st_size
@@ -246,7 +248,7 @@ def _mapped(files: ArrayFiles, index, path: str, shown: str, offset: int | None)
     return buffer
   raw = np.frombuffer(mapped, np.uint8)[start - base :]
   stored = struct.unpack("<I", raw[nbytes:].tobytes())[0]
-  _check(files, index, shown, stored, crc32c.crc32c(raw[:nbytes]))
+  _check(files, index, shown, stored, crc32c.crc32c(raw[:nbytes]))  # type: ignore[arg-type]
   return raw[:nbytes].view(dtype).reshape(info.chunks)
 
 

@@ -62,6 +62,12 @@ class SaveOptions:
     return _bundle.limit_for(local, self.bundle_bytes)
 
   @property
+  def schema_json(self) -> dict | None:
+    """The schema as the manifest stores it (its canonical JSON, once `checked`)."""
+    assert not isinstance(self.schema, _schema.Schema), "the options are not checked yet"
+    return self.schema
+
+  @property
   def hashed(self) -> bool:
     """Whether the save records the sha256 of every chunk (`unchanged="sha256"`)."""
     return self.unchanged == "sha256"

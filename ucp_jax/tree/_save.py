@@ -151,7 +151,7 @@ def agree(path: str | os.PathLike, tree: Any, options: SaveOptions, *, copies=No
       metadata=options.metadata,
       chunk_bytes=options.chunk_bytes,
       bundle_bytes=bundle_bytes,
-      schema=options.schema,
+      schema=options.schema_json,
       source=options.source,
       leaves=leaves,
     )

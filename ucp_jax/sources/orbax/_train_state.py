@@ -23,6 +23,7 @@ names and keys are those `save_train_state` writes, so the same rule sets export
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -168,15 +169,15 @@ class _Inference:
         if name in _HYPER:
           named[name] = key
         at = key.find(marker, at + 1)
-    values: dict[str, float] = {}  # key -> value, each read once
+    values: dict[str, float | None] = {}  # key -> value, each read once
     out = []
     for state in groups or [self.opt or ""]:
-      found: dict = {}
+      found: dict[str, Any] = {}
       parts = state.split("/")
       for i in range(len(parts), 0, -1):  # the nearest optax.inject_hyperparams above it
-        named = injected.get("/".join(parts[:i]))
-        if named is not None:
-          for n, k in named.items():
+        above = injected.get("/".join(parts[:i]))
+        if above is not None:
+          for n, k in above.items():
             if k not in values:
               values[k] = _scalar(self.tensors[k])
             if values[k] is not None:
