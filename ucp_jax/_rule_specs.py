@@ -36,7 +36,7 @@ def parse(
   if not isinstance(spec, str) or not spec:
     raise _errors.MappingError(f"rules={spec!r}: a RuleSet, or a text such as 'gpt2:num_heads=4'")
 
-  ready = {"gpt2": rules.gpt2, "llama": rules.llama, "hf_gpt2": rules.hf_gpt2}
+  ready: dict[str, Any] = {"gpt2": rules.gpt2, "llama": rules.llama, "hf_gpt2": rules.hf_gpt2}
   ready |= {"hf_llama": rules.hf_llama, "hf": None}
   name, _, options = spec.partition(":")
   if name in ready:
@@ -62,7 +62,7 @@ def parse(
 
 
 def _rule_options(spec: str, options: str, *, text_ok: bool) -> dict:
-  kwargs = {}
+  kwargs: dict[str, Any] = {}
   for item in filter(None, options.split(",")):
     key, _, value = item.partition("=")
     if value.lower() in ("true", "false"):

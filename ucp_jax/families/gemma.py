@@ -24,7 +24,8 @@ def _gemma(r: Reader, kind: str) -> Callable[[], _configs.LlamaConfig]:
     common["act"] = "gelu_tanh"  # transformers' GemmaConfig: the releases' "gelu" is the tanh one
   hf.causal(r)
   bias = r.flag("attention_bias")
-  extra = {"qkv_bias": bias, "o_bias": bias, "norm_offset": 1.0, "embed_scale": True}
+  extra: dict[str, Any] = {"qkv_bias": bias, "o_bias": bias, "norm_offset": 1.0}
+  extra["embed_scale"] = True
   if kind == "gemma":
     return hf.make(sizes, common, hf.rope(r, sizes["head_dim"]), extra)
   window = r.optional_size("sliding_window")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from ucp_jax.base._errors import shown
 from ucp_jax.families._family import Family
@@ -29,7 +30,7 @@ def _gpt_neox(r: Reader, kind: str) -> Callable[[], _configs.NeoXConfig]:
       _hf_rope.fraction(r, "rotary_pct", pct) if r.present("rotary_pct") else 0.25
     )
   theta, scaling, factor = _hf_rope.read(r, p, head_dim=head_dim, partial=True)
-  fields = {
+  fields: dict[str, Any] = {
     "vocab_size": r.size("vocab_size"),
     "num_layers": r.size("num_hidden_layers"),
     "num_heads": heads,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from ucp_jax.base._errors import shown
 from ucp_jax.families._family import llama_shaped
@@ -18,7 +19,7 @@ QWEN |= {"max_window_layers": 28, "layer_types": None}
 
 def _qwen(r: Reader, kind: str) -> Callable[[], _configs.LlamaConfig]:
   sizes, common = hf.sizes(r), hf.common(r)
-  extra: dict[str, bool | str]
+  extra: dict[str, Any]
   if kind == "qwen2":  # Qwen2: q/k/v biases always, `attention_bias` unread
     extra = {"qkv_bias": True}
   else:

@@ -165,6 +165,7 @@ def _entries(
   weights: _resolved.ResolvedWeights, state: _resolved.ResolvedState | None
 ) -> list[tuple]:
   """(flattened key, checkpoint key or None for an alias, tree path) of every tensor."""
+  out: list[tuple[str, str | None, tuple[str, ...]]]
   out = [(f"model.{p.name}", p.value, ("model", p.name)) for p in weights.params]
   out += [(f"model.{alias}", None, ("model", alias)) for alias in weights.tied]
   out += [(f"model.{b.name}", b.value, ("model", b.name)) for b in weights.buffers]
@@ -223,7 +224,9 @@ class _Writer:
     torch, md = self._torch, self._md
     data = array if isinstance(array, torch.Tensor) else _to_torch(torch, array)
     blocks = data.chunk(len(self._files), 0) if data.dim() else (data,)
-    chunks, stored, at = [], {}, 0
+    chunks: list = []
+    stored: dict = {}
+    at = 0
     for rank, block in enumerate(blocks):
       offsets = (at,) + (0,) * (data.dim() - 1) if data.dim() else ()
       index = md.MetadataIndex(flat, offsets, len(chunks))

@@ -112,7 +112,8 @@ def _write_bundled(target: _BundleFile, group: list, chunks, record) -> None:
     try:  # whatever fails, `done` runs: the bundle's last writer closes the file
       encoded = [(offset, index, *_encode(block, chunks)) for offset, index, block in group]
       fd = target.fd()
-      start, end, parts = encoded[0][0], encoded[0][0], []
+      start, end = encoded[0][0], encoded[0][0]
+      parts: list[bytes] = []
       for offset, _, raw, crc in encoded:
         if offset != end or len(parts) >= _IOV_MAX:
           _write_all(fd, parts, start)

@@ -249,7 +249,7 @@ def remove_dead_generations(target: _location.Location, live: _manifest.Manifest
   """
   if target.local_dir is not None or live is False:
     return
-  _delete_generations(target, keep=live.data if live else "")
+  _delete_generations(target, keep=live.data if isinstance(live, _manifest.Manifest) else "")
 
 
 def remove_replaced(target: _location.Location, new: str, old: _manifest.Manifest | bool | None):
@@ -305,6 +305,7 @@ def commit(
     if durable:
       f.flush()
       os.fsync(f.fileno())
+  assert target.local_dir is not None  # a local staging folder is beside a local target
   if durable:
     _swap.fsync_dir(staging.local_dir)
   _swap.swap_into_place(staging.local_dir, target.local_dir, durable=durable)
@@ -362,7 +363,7 @@ def abort(staging: _location.Location, target: _location.Location) -> None:
   old checkpoint that a swap which could not be undone left aside). On an object store a
   deletion that fails leaves garbage for the next save's collector, and a warning."""
   if staging.local_dir is not None:
-    if staging != target:
+    if staging != target and target.local_dir is not None:
       _swap.drop_staging(staging.local_dir, target.local_dir)
     return
   if staging.url != target.url:

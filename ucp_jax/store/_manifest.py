@@ -268,7 +268,9 @@ class Manifest:
     return manifest
 
 
-_TOP_FIELDS = {  # field: (the types a save writes, what they are called)
+_TOP_FIELDS: dict[
+  str, tuple[type | tuple[type, ...], str]
+] = {  # field: (types a save writes, what they are called)
   "arrays": (dict, "an object"),
   "step": ((int, type(None)), "an integer or null"),
   "metadata": ((dict, type(None)), "an object"),
@@ -419,7 +421,11 @@ def _dtype_problem(name: Any) -> str | None:
   return None
 
 
-_KINDS = {"array": None, "scalar": ("bool", "int", "float", "complex"), "prng_key": None}
+_KINDS: dict[str, tuple[str, ...]] = {
+  "array": (),
+  "scalar": ("bool", "int", "float", "complex"),
+  "prng_key": (),
+}
 
 
 def _fields_problem(info: ArrayInfo) -> str | None:

@@ -43,7 +43,7 @@ class _Want:
 
 
 def restore(
-  path: str | os.PathLike,
+  path: str | os.PathLike | _checkpoint.Checkpoint,
   target: Any = None,
   *,
   subtree: str | None = None,
