@@ -86,6 +86,7 @@ def hf_moe(
   )
   p = re.escape(prefix) + "layers"
   block, router, (w_gate, w_up, w_down) = _SPLIT_NAMES[family]
+  table: list[tuple[str, str, list[Any]]]
   if experts == "autoep":
     table = [
       ("mlp.router.gate.weight", "mlp/router/kernel", [_T]),

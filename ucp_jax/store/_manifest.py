@@ -496,6 +496,8 @@ def _root_version(location: _location.Location) -> int:
   """The format version the root group's attributes record (0 when they record none)."""
   where = f"{location}/zarr.json"
   raw = _location.read_small(location, "zarr.json", _errors.ManifestError)
+  if raw is None:
+    return 0
   try:
     version = _untrusted.loads_json(raw, where, _errors.ManifestError)["attributes"]["ucp_jax"]
     version = version["format_version"]

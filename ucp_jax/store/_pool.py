@@ -153,6 +153,7 @@ def collect(pool: _location.Location) -> list[str]:
   """
   store = _location.kvstore(pool)
   parent = pool.ancestor(1)
+  assert parent is not None  # a pool is a folder of an object store, below its checkpoints'
   refs = _references(store)
   live, dead = _judge(store, parent, refs)
   if live is None:

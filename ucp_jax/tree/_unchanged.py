@@ -40,6 +40,7 @@ from ucp_jax.store import (
   _shards,
   _writer,
 )
+from ucp_jax.store._manifest import ArrayInfo
 
 Unchanged = Literal["identity", "sha256"]
 MODES = ("identity", "sha256")
@@ -109,28 +110,33 @@ def mark(
   """The entries, with `reuse` set on those this process finds unchanged since `base`
   (`pool_levels`: where the save's pool is, on an object store)."""
   pool = _pool.of(target, pool_levels)
-  if base is None or not _reuse.reachable(base, target, pool and pool.location):
+  if base is None or not _reuse.reachable(base, target, pool.location if pool else None):
     return entries
   out = []
   for entry in entries:
     stored = base.manifest.arrays.get(entry.key)
-    reuse = _reuse.compatible(stored, entry.info, compression) and (
-      _same(base.manifest.token, entry.key, flat[entry.key])
-      or (unchanged == "sha256" and stored.hashes is not None and _hashes_equal(entry, stored))
+    reuse = (
+      stored is not None
+      and _reuse.compatible(stored, entry.info, compression)
+      and (
+        _same(base.manifest.token, entry.key, flat[entry.key])
+        or (unchanged == "sha256" and stored.hashes is not None and _hashes_equal(entry, stored))
+      )
     )
     out.append(dataclasses.replace(entry, reuse=True) if reuse else entry)
   return out
 
 
-def _hashes_equal(entry: _writer.Entry, stored) -> bool:
+def _hashes_equal(entry: _writer.Entry, stored: ArrayInfo) -> bool:
   """Whether every chunk of `entry` this process holds hashes as the base recorded."""
-  info = entry.info
+  info, hashes = entry.info, stored.hashes
+  assert hashes is not None  # asked only of arrays whose save recorded them
   for region in _shards.owned_regions(entry, _multihost.is_primary()):
     host = _shards.region_data(entry, region)
     for chunk in _chunks.chunks_in(region, info.chunks):
       part = _chunks.chunk_region(chunk, info.chunks, info.shape)
       block = _chunks.padded(host[_regions.relative(part, region)], info.chunks)
-      if _chunks.hash_of(_chunks.raw_bytes(block)) != stored.hashes[chunk].tobytes():
+      if _chunks.hash_of(_chunks.raw_bytes(block)) != hashes[chunk].tobytes():
         return False
   return True
 
