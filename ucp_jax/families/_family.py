@@ -58,12 +58,12 @@ def llama_shaped(model_type: str, defaults: Mapping[str, Any], read, **fields: A
   `mapping._hf_rulesets.llama_like` unless `rules=` says otherwise)."""
   from ucp_jax.mapping import _hf_rulesets
 
-  fields: dict[str, Any] = {
+  given: dict[str, Any] = {
     "names": LLAMA_NAMES,
     "rules": _hf_rulesets.llama_like,
     "model": "llama.FlaxLlama",
-  } | fields
-  return Family(model_type, defaults, read, **fields)
+  }
+  return Family(model_type, defaults, read, **(given | fields))
 
 
 BUILTIN: dict[str, str] = {

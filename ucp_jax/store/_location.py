@@ -27,7 +27,8 @@ else:
 
 _URL_SCHEMES = ("file://", "memory://", "gs://", "s3://", "gcs://")
 
-REQUEST_RETRIES = {"max_retries": 4, "initial_delay": "0.25s", "max_delay": "2s"}
+MAX_RETRIES = 4
+REQUEST_RETRIES = {"max_retries": MAX_RETRIES, "initial_delay": "0.25s", "max_delay": "2s"}
 """Retries of one request to an object store (TensorStore's default is 32, over minutes): on
 429, 5xx, resets and stalls, with exponential backoff. A kvstore spec's own `context`
 (`s3_request_retries`, `gcs_request_retries`) overrides them."""
@@ -119,7 +120,9 @@ class Location:
 
   def io_path(self, key: str) -> str:
     """The local path that reads of `key` use (local roots only)."""
-    return os.path.join(self.io_dir or self.local_dir, key)
+    root = self.io_dir or self.local_dir
+    assert root is not None, "io_path of a location on an object store"
+    return os.path.join(root, key)
 
   def __str__(self) -> str:
     if self.local_dir is not None:
@@ -294,7 +297,7 @@ def storage_error(error: BaseException, where: object, what: str, then: str = ""
   if isinstance(error, _errors.UcpError):
     return error
   if isinstance(error, OSError):
-    advice = _ADVICE.get(error.errno, error.strerror or str(error))
+    advice = _ADVICE.get(error.errno or 0, error.strerror or str(error))
     file = f" ({error.filename})" if error.filename else ""
     out = _errors.StorageError(f"{where}: {what}: {advice}{file}.{then and ' ' + then}")
     out.errno = error.errno
@@ -332,7 +335,7 @@ TIMEOUT_S = float(os.environ.get("UCP_STORE_TIMEOUT_S", "120"))
 # read once, when TensorStore first makes a request. Set only where the user has not.
 os.environ.setdefault(
   "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS",
-  str(max(1, int(TIMEOUT_S // (REQUEST_RETRIES["max_retries"] + 1)))),
+  str(max(1, int(TIMEOUT_S // (MAX_RETRIES + 1)))),
 )
 os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")
 
@@ -412,7 +415,8 @@ class KvStore:
 
   def delete_range(self, key_range: ts.KvStore.KeyRange) -> _Pending:
     deleted = self._store.delete_range(key_range)
-    return _Pending(deleted, self._location, f"deleting {key_range.inclusive_min}...")
+    first = key_range.inclusive_min.decode(errors="replace")
+    return _Pending(deleted, self._location, f"deleting {first}...")
 
 
 @dataclasses.dataclass(frozen=True)
