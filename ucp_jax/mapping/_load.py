@@ -63,6 +63,8 @@ class ArraysCheckpoint(Checkpoint):
 
   def open_future(self, key: str) -> ts.Future:
     self[key]
+    promise: ts.Promise[ts.TensorStore]
+    future: ts.Future[ts.TensorStore]
     promise, future = ts.Promise.new()
     promise.set_result(ts.array(self._arrays[key], copy=False))
     return future
@@ -94,7 +96,7 @@ def mapped_state(
   """
   from flax import nnx
 
-  graphdef, current, rest = nnx.split(model, nnx.Param if wrt is None else wrt, ...)
+  graphdef, current, rest = nnx.split(model, nnx.Param if wrt is None else wrt, ...)  # type: ignore[misc]  # flax's stubs: one state per filter
   if _is_checkpoint_path(source):
     ckpt = _reader.open(source)
     if subtree is None:  # converted checkpoints and sources keep the weights under params/

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from ucp_jax.models import _sharding
 
-ACTIVATIONS = {
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
   "silu": jax.nn.silu,
   "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),
   "gelu": functools.partial(jax.nn.gelu, approximate=False),

@@ -7,6 +7,8 @@ runs Hugging Face GPT-2 checkpoints (`ucp_jax.rules.hf_gpt2`, `ucp_jax.rules.fro
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -72,6 +74,9 @@ class FlaxGPT(nnx.Module):
     >>> model(jnp.zeros((2, 5), jnp.int32)).shape
     (2, 5, 256)
   """
+
+  logical_axes: ClassVar[dict[str, tuple[str | None, ...]]]  # set below: each parameter's axes
+  layers_key: ClassVar[str]  # set below: the key of the layers' subtree
 
   def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs, scan: bool = False):
     self.scan = scan

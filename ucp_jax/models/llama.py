@@ -12,6 +12,7 @@ RoPE scalings of `ucp_jax.models._rope`, partial rotary, attention and logit sof
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -120,6 +121,9 @@ class FlaxLlama(nnx.Module):
     >>> model(jnp.zeros((2, 5), jnp.int32)).shape
     (2, 5, 256)
   """
+
+  logical_axes: ClassVar[dict[str, tuple[str | None, ...]]]  # set below: each parameter's axes
+  layers_key: ClassVar[str]  # set below: the key of the layers' subtree
 
   def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, scan: bool = False):
     self.scan = scan

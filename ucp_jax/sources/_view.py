@@ -51,6 +51,7 @@ class SourceCheckpoint(Checkpoint):
     if not self.reads_directly(key):
       return super().start_read(key, regions)
     tensor = self._tensors[key]
+    assert tensor.file is not None  # a key read directly is one run of a file
     path, offset, identity = tensor.file
     tasks = _file_reads.tensor_reads(path, offset, tensor.shape, tensor.dtype, regions, identity)
     return _byte_runs.start_read(regions, tensor.dtype, tasks)
@@ -62,6 +63,8 @@ class SourceCheckpoint(Checkpoint):
     return data
 
   def open_future(self, key: str) -> ts.Future:
+    promise: ts.Promise[ts.TensorStore]
+    future: ts.Future[ts.TensorStore]
     promise, future = ts.Promise.new()
     tensor = self._tensors.get(key)
     store = None if tensor is None else tensor.store
@@ -97,6 +100,7 @@ class SourceCheckpoint(Checkpoint):
 def _file_store(tensor: _source_plan.Tensor):
   """`tensor` (one C-order run in a file) as a lazy TensorStore: each cell it reads (whole
   rows, about `ROWS_BYTES`) is one `pread` of exactly its bytes, from the checked file."""
+  assert tensor.file is not None  # asked only of a tensor that is one run of a file
   path, offset, identity = tensor.file
   shape, dtype = tensor.shape, np.dtype(tensor.dtype)
   row = max(1, int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize)
