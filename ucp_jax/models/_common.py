@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,15 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from ucp_jax.models import _sharding
+
+
+class LanguageModel(nnx.Module):
+  """A model of this package: token ids -> logits, with the logical axes of its parameters
+  (`_sharding`) and the key of its layers' subtree, which each model sets below its class."""
+
+  logical_axes: ClassVar[dict[str, tuple[str | None, ...]]]
+  layers_key: ClassVar[str]
+
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
   "silu": jax.nn.silu,

@@ -7,12 +7,11 @@ runs Hugging Face GPT-2 checkpoints (`ucp_jax.rules.hf_gpt2`, `ucp_jax.rules.fro
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ucp_jax.models import _common
 from ucp_jax.models._common import (
   ACTIVATIONS,
   Projection,
@@ -59,7 +58,7 @@ class Block(nnx.Module):
     return x + self.mlp(self.ln_2(x))
 
 
-class FlaxGPT(nnx.Module):
+class FlaxGPT(_common.LanguageModel):
   """Token ids `[batch, time]` -> logits `[batch, time, vocab]`; the output layer is `wte`
   (or `lm_head`, when `cfg.tie_embeddings` is False).
 
@@ -74,9 +73,6 @@ class FlaxGPT(nnx.Module):
     >>> model(jnp.zeros((2, 5), jnp.int32)).shape
     (2, 5, 256)
   """
-
-  logical_axes: ClassVar[dict[str, tuple[str | None, ...]]]  # set below: each parameter's axes
-  layers_key: ClassVar[str]  # set below: the key of the layers' subtree
 
   def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs, scan: bool = False):
     self.scan = scan

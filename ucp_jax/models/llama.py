@@ -12,13 +12,12 @@ RoPE scalings of `ucp_jax.models._rope`, partial rotary, attention and logit sof
 from __future__ import annotations
 
 import math
-from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ucp_jax.models import _rope
+from ucp_jax.models import _common, _rope
 from ucp_jax.models._common import (
   ACTIVATIONS,
   NO_WINDOW,
@@ -104,7 +103,7 @@ def _maybe(norm, x: jax.Array) -> jax.Array:
   return x if norm is None else norm(x)
 
 
-class FlaxLlama(nnx.Module):
+class FlaxLlama(_common.LanguageModel):
   """Token ids `[batch, time]` -> logits `[batch, time, vocab]`; `lm_head` untied (or none,
   the output layer being `embed`, with `cfg.tie_embeddings`).
 
@@ -121,9 +120,6 @@ class FlaxLlama(nnx.Module):
     >>> model(jnp.zeros((2, 5), jnp.int32)).shape
     (2, 5, 256)
   """
-
-  logical_axes: ClassVar[dict[str, tuple[str | None, ...]]]  # set below: each parameter's axes
-  layers_key: ClassVar[str]  # set below: the key of the layers' subtree
 
   def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, scan: bool = False):
     self.scan = scan

@@ -9,13 +9,11 @@ Flax kernel's `[d_model, heads, 3, head_dim]` layout after a transpose.
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ucp_jax.models import _rope
+from ucp_jax.models import _common, _rope
 from ucp_jax.models._common import (
   ACTIVATIONS,
   SHARED_AXES,
@@ -69,7 +67,7 @@ class Layer(nnx.Module):
     return x + self.mlp(self.mlp_norm(x))
 
 
-class FlaxNeoX(nnx.Module):
+class FlaxNeoX(_common.LanguageModel):
   """Token ids `[batch, time]` -> logits `[batch, time, vocab]`.
 
   Example:
@@ -79,9 +77,6 @@ class FlaxNeoX(nnx.Module):
     >>> FlaxNeoX(NeoXConfig(num_layers=1), rngs=nnx.Rngs(0))(jnp.zeros((2, 5), jnp.int32)).shape
     (2, 5, 256)
   """
-
-  logical_axes: ClassVar[dict[str, tuple[str | None, ...]]]  # set below: each parameter's axes
-  layers_key: ClassVar[str]  # set below: the key of the layers' subtree
 
   def __init__(self, cfg: NeoXConfig, *, rngs: nnx.Rngs, scan: bool = False):
     self.scan = scan
