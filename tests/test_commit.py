@@ -373,11 +373,16 @@ def test_ctrl_c_stops_a_wait_on_a_store():
   server, spec = _silent_endpoint()
   with server:
     proc = _ucp(["inspect", spec], UCP_STORE_TIMEOUT_S="600")
-    server.settimeout(300)  # a hang detector, not a timer
-    connection, _ = server.accept()
-    with connection:
-      proc.send_signal(signal.SIGINT)
-      _, err = proc.communicate(timeout=60)
+    try:
+      server.settimeout(300)  # a hang detector, not a timer
+      connection, _ = server.accept()
+      with connection:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:  # a hung child must not outlive the test (its leftovers would fail the next one)
+      if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
   assert proc.returncode == 130, err
   assert "Traceback" not in err
 
