@@ -434,3 +434,15 @@ def scripts(here):
   """`scripts/`: the repository's scripts (a link)."""
   os.symlink(Path(__file__).resolve().parents[2] / "scripts", "scripts")
   return {}
+
+
+# docs/megatron.md
+
+
+@setup()
+def megatron_run(here):
+  """`checkpoints/`: a Megatron-LM root (TP 2 x DP 2, the distributed optimizer's default
+  dp_reshardable format) that megatron-core 0.19.2 wrote (tests/fixtures/megatron_core)."""
+  fixture = Path(__file__).resolve().parents[1] / "fixtures/megatron_core/distopt_dp_reshardable"
+  shutil.copytree(fixture, "checkpoints", ignore=shutil.ignore_patterns("*.npz", "info.json"))
+  return {}

@@ -161,6 +161,7 @@ def cmd_convert(args, out: Console, err: Console) -> int:
         overwrite=args.overwrite,
         progress=progress.update,
         **_options(args.option),
+        **_iteration(args.iteration),
       )
   except KeyboardInterrupt:
     if helpers is not None:
@@ -197,6 +198,8 @@ def _convert_argv(args) -> list[str]:
     argv.append("--overwrite")
   for option in args.option or ():
     argv += ["--option", option]
+  if args.iteration is not None:
+    argv += ["--iteration", args.iteration]
   return argv
 
 
@@ -280,6 +283,17 @@ def cmd_diff(args, out: Console, err: Console) -> int:
       out.print(f"  ... and {len(shown) - _ROWS} more arrays (--json lists all)", markup=False)
   out.print(report.verdict(), markup=False)
   return 0 if report.same_within_tolerance else 1
+
+
+def _iteration(value: str | None) -> dict:
+  """`--iteration N` (or `release`): the Megatron source's `iteration` option."""
+  if value is None:
+    return {}
+  if value != "release" and not value.isdigit():
+    raise _errors.InvalidArgumentError(
+      f"--iteration {value!r}: an iteration number (as in iter_0000100) or 'release'"
+    )
+  return {"iteration": value if value == "release" else int(value)}
 
 
 def _options(items: list[str] | None) -> dict:

@@ -75,7 +75,7 @@ def _add_convert(sub) -> None:
   from ucp_jax.sources import _registry as sources
 
   p = sub.add_parser("convert", help="a checkpoint of another format -> a universal checkpoint")
-  p.add_argument("src", help="a DeepSpeed, Hugging Face, torch, DCP or Orbax checkpoint")
+  p.add_argument("src", help="a DeepSpeed, Megatron, Hugging Face, torch, DCP or Orbax checkpoint")
   p.add_argument("dst", help="where the universal checkpoint goes")
   p.add_argument(
     "--from",
@@ -89,6 +89,10 @@ def _add_convert(sub) -> None:
     action="append",
     metavar="KEY=VALUE",
     help="a source's own option (docs/sources.md), e.g. hyperparams='{\"lr\": 1e-3}'",
+  )
+  p.add_argument(
+    "--iteration",
+    help="a Megatron-LM root: the iteration to read, a number or 'release' (default: the latest)",
   )
   p.add_argument(
     "--processes", type=int, help="convert with N processes on this host (each a share)"

@@ -53,6 +53,7 @@ SOURCES = _plugins.Registry(
     "deepspeed": "ucp_jax.sources.deepspeed._source",
     "orbax": "ucp_jax.sources.orbax._source",
     "hf": "ucp_jax.sources.hf._source",
+    "megatron": "ucp_jax.sources.megatron._source",
     "dcp": "ucp_jax.sources.dcp._source",
     "torch": "ucp_jax.sources.torch._source",
   },

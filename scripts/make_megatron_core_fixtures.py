@@ -1,0 +1,412 @@
+#!/usr/bin/env python
+"""Megatron-core checkpoints written by megatron-core itself, on CPU, as Megatron-LM writes them.
+
+Each variant trains a tiny Llama-style `GPTModel` (the local layer spec: GQA, SwiGLU, RMSNorm,
+RoPE, untied output layer) for two steps on 4 gloo ranks (TP 2 x DP 2) with Megatron's own
+`DistributedDataParallel`, `get_megatron_optimizer` and `OptimizerParamScheduler`, then saves it
+with `dist_checkpointing.save` in Megatron-LM's folder layout and state dict (the megatron-core
+wheel lacks `megatron/training`; `generate_state_dict` and `save_checkpoint` are followed here):
+
+  <out>/<variant>/latest_checkpointed_iteration.txt       "2"
+  <out>/<variant>/iter_0000002/                           the torch_dist checkpoint
+  <out>/<variant>/expected.npz                            the logical state (below)
+  <out>/<variant>/info.json                               what the variant is
+
+Variants: the distributed optimizer in its two formats (`dp_reshardable`, Megatron-LM's default,
+and `fully_reshardable`) and the plain optimizer, in fp32 and bf16.
+
+`expected.npz` is the oracle, assembled from Megatron's own sharded state dicts (not from the
+files): every model tensor under its checkpoint key (layers stacked), and every optimizer
+tensor in the per-parameter form `optimizer.state.<slot>.<key>`: for the distributed optimizer
+Megatron's `fully_reshardable` gather gives it, whatever format the files use.
+
+megatron-core installs with `pip install --no-deps --ignore-requires-python megatron-core==0.19.2
+psutil triton` (its cp311 wheels run on 3.11; it imports triton). On a CPU-only torch a training
+step needs these stand-ins for CUDA, installed by `cpu_stand_ins()` and nothing else:
+
+- `torch.cuda.current_device()` names the device of DDP's buffers: "cpu".
+- `torch.cuda.current_stream()` is waited on before a gradient reduction: a stream that waits
+  on nothing.
+- `torch.cuda.synchronize()` before the checkpoint writer copies tensors: nothing to wait for.
+- Tensor factories called with `device="cuda"` (the optimizer's overflow flag, DDP's buffers)
+  make CPU tensors.
+- `Tensor.cuda()` moves the distributed optimizer's buffers before a gather: they stay.
+- `Tensor.type()` is compared with "torch.cuda.FloatTensor" when the optimizer sorts parameters
+  by precision: it reports the CUDA name of the same precision.
+- The RNG tracker is Megatron's inference tracker (`initialize_rng_tracker(inference_rng_tracker
+  =True)`, no CUDA RNG), with dropout 0; `cuda_rng_state` in the saved RNG state holds the CPU
+  generator's state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TP, DP = 2, 2
+ITERATION = 2
+VOCAB, DIVISIBLE_BY = 60, 16  # padded to 64 at TP 2, as Megatron-LM pads
+HIDDEN, HEADS, GROUPS, FFN, LAYERS, SEQ = 16, 4, 2, 24, 2, 8
+LR, WEIGHT_DECAY, BETAS, EPS = 1e-2, 0.1, (0.9, 0.95), 1e-8
+
+VARIANTS = {
+  # name: (use_distributed_optimizer, distrib_optim_sharding_type, bf16)
+  "distopt_dp_reshardable": (True, "dp_reshardable", False),
+  "distopt_fully_reshardable_bf16": (True, "fully_reshardable", True),
+  "adam": (False, None, False),
+  "adam_bf16": (False, None, True),
+}
+
+
+def padded_vocab() -> int:
+  step = DIVISIBLE_BY * TP
+  return -(-VOCAB // step) * step
+
+
+def cpu_stand_ins() -> None:
+  """The CUDA calls a megatron-core training step makes, answered on the CPU (module doc)."""
+  import torch
+
+  class NoStream:
+    def wait_event(self, event):
+      pass
+
+    def wait_stream(self, stream):
+      pass
+
+  torch.cuda.current_device = lambda: "cpu"
+  torch.cuda.current_stream = lambda *a, **k: NoStream()
+  torch.cuda.synchronize = lambda *a, **k: None
+
+  def on_cpu(factory):
+    @functools.wraps(factory)
+    def made(*args, **kwargs):
+      if str(kwargs.get("device", "")).startswith("cuda"):
+        kwargs["device"] = "cpu"
+      return factory(*args, **kwargs)
+
+    return made
+
+  for name in ("tensor", "zeros", "empty", "ones", "full", "arange", "zeros_like", "empty_like"):
+    setattr(torch, name, on_cpu(getattr(torch, name)))
+  type_name = torch.Tensor.type
+
+  def cuda_type_name(self, *args, **kwargs):
+    if args or kwargs:
+      return type_name(self, *args, **kwargs)
+    return type_name(self).replace("torch.", "torch.cuda.", 1)
+
+  torch.Tensor.type = cuda_type_name
+  torch.Tensor.cuda = lambda self, *args, **kwargs: self
+
+
+def megatron_args(distopt: bool, sharding: str | None, bf16: bool) -> argparse.Namespace:
+  """The `args` Megatron-LM saves: the fields its checkpoint loading and converters read."""
+  return argparse.Namespace(
+    num_layers=LAYERS,
+    hidden_size=HIDDEN,
+    ffn_hidden_size=FFN,
+    num_attention_heads=HEADS,
+    group_query_attention=True,
+    num_query_groups=GROUPS,
+    kv_channels=HIDDEN // HEADS,
+    max_position_embeddings=SEQ * 4,
+    seq_length=SEQ,
+    vocab_size=VOCAB,
+    padded_vocab_size=padded_vocab(),
+    make_vocab_size_divisible_by=DIVISIBLE_BY,
+    normalization="RMSNorm",
+    norm_epsilon=1e-5,
+    swiglu=True,
+    add_bias_linear=False,
+    add_qkv_bias=False,
+    position_embedding_type="rope",
+    rotary_base=10000,
+    rotary_percent=1.0,
+    untie_embeddings_and_output_weights=True,
+    tensor_model_parallel_size=TP,
+    pipeline_model_parallel_size=1,
+    context_parallel_size=1,
+    expert_model_parallel_size=1,
+    data_parallel_size=DP,
+    world_size=TP * DP,
+    transformer_impl="local",
+    use_distributed_optimizer=distopt,
+    dist_ckpt_optim_fully_reshardable=sharding == "fully_reshardable",
+    ckpt_format="torch_dist",
+    optimizer="adam",
+    lr=LR,
+    min_lr=LR / 10,
+    weight_decay=WEIGHT_DECAY,
+    adam_beta1=BETAS[0],
+    adam_beta2=BETAS[1],
+    adam_eps=EPS,
+    clip_grad=0.0,
+    bf16=bf16,
+    fp16=False,
+    params_dtype="torch.bfloat16" if bf16 else "torch.float32",
+    micro_batch_size=2,
+    global_batch_size=2 * DP,
+    train_iters=10,
+    iteration=ITERATION,
+    consumed_train_samples=ITERATION * 2 * DP,
+    seed=1234,
+  )
+
+
+def assemble(sharded: dict, group=None) -> dict[str, np.ndarray]:
+  """The global tensors of every main-replica `ShardedTensor` in `sharded`, on rank 0."""
+  import torch
+  import torch.distributed as dist
+  from megatron.core.dist_checkpointing.dict_utils import nested_values
+  from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+  apply_factories(sharded)  # SwiGLU's fc1: its gate and up halves
+  pieces = []
+  for item in nested_values(sharded):
+    if not isinstance(item, ShardedTensor):
+      continue
+    if any(r != 0 for r in np.atleast_1d(np.asarray(item.replica_id, dtype=object)).tolist()):
+      continue
+    assert item.flattened_range is None, item.key
+    local = item.data.detach().to(torch.float32).numpy()
+    local = local.reshape((1,) * item.prepend_axis_num + local.shape)
+    pieces.append((item.key, item.global_shape, item.global_offset, local, str(item.dtype)))
+  everyone = [None] * dist.get_world_size()
+  dist.all_gather_object(everyone, pieces)
+  out: dict[str, np.ndarray] = {}
+  filled: dict[str, int] = {}
+  for key, shape, offset, local, _ in (p for rank in everyone for p in rank):
+    whole = out.setdefault(key, np.full(shape, np.nan, np.float32))
+    index = tuple(slice(o, o + n) for o, n in zip(offset, local.shape))
+    whole[index] = local
+    filled[key] = filled.get(key, 0) + local.size
+  for key, whole in out.items():
+    assert filled[key] == whole.size and not np.isnan(whole).any(), key
+  return out
+
+
+def run_rank(rank: int, variant: str, out: str, port: int) -> None:
+  import torch
+  import torch.distributed as dist
+
+  cpu_stand_ins()
+  distopt, sharding, bf16 = VARIANTS[variant]
+  dist.init_process_group(
+    "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=TP * DP
+  )
+  from megatron.core import dist_checkpointing
+  from megatron.core import parallel_state as ps
+  from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+  from megatron.core.models.gpt import GPTModel
+  from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+  from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+  from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+  from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, initialize_rng_tracker
+  from megatron.core.transformer import TransformerConfig
+
+  ps.initialize_model_parallel(tensor_model_parallel_size=TP)
+  initialize_rng_tracker(inference_rng_tracker=True)
+  torch.manual_seed(1234)
+  dtype = torch.bfloat16 if bf16 else torch.float32
+  config = TransformerConfig(
+    num_layers=LAYERS,
+    hidden_size=HIDDEN,
+    num_attention_heads=HEADS,
+    num_query_groups=GROUPS,
+    ffn_hidden_size=FFN,
+    gated_linear_unit=True,
+    activation_func=torch.nn.functional.silu,
+    normalization="RMSNorm",
+    add_bias_linear=False,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    use_cpu_initialization=True,
+    bf16=bf16,
+    params_dtype=dtype,
+    pipeline_dtype=dtype,
+    tensor_model_parallel_size=TP,
+  )
+  model = GPTModel(
+    config=config,
+    transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+    vocab_size=padded_vocab(),
+    max_sequence_length=SEQ * 4,
+    position_embedding_type="rope",
+    share_embeddings_and_output_weights=False,
+  )
+  if bf16:  # as Megatron-LM's get_model: the whole model in bf16, norms included
+    from megatron.core.transformer.module import Float16Module
+
+    model = Float16Module(config, model)
+  ddp = DistributedDataParallel(
+    config,
+    DistributedDataParallelConfig(use_distributed_optimizer=distopt, grad_reduce_in_fp32=True),
+    model,
+  )
+  optimizer = get_megatron_optimizer(
+    OptimizerConfig(
+      optimizer="adam",
+      lr=LR,
+      min_lr=LR / 10,
+      weight_decay=WEIGHT_DECAY,
+      adam_beta1=BETAS[0],
+      adam_beta2=BETAS[1],
+      adam_eps=EPS,
+      bf16=bf16,
+      params_dtype=dtype,
+      use_distributed_optimizer=distopt,
+      clip_grad=0.0,
+    ),
+    [ddp],
+  )
+  scheduler = OptimizerParamScheduler(
+    optimizer,
+    init_lr=0.0,
+    max_lr=LR,
+    min_lr=LR / 10,
+    lr_warmup_steps=1,
+    lr_decay_steps=10,
+    lr_decay_style="cosine",
+    start_wd=WEIGHT_DECAY,
+    end_wd=WEIGHT_DECAY,
+    wd_incr_steps=10,
+    wd_incr_style="constant",
+  )
+  batch = torch.Generator().manual_seed(ps.get_data_parallel_rank())
+  positions = torch.arange(SEQ).expand(2, SEQ)
+  for _ in range(ITERATION):
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=batch)
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    ddp(tokens, positions, None, labels=tokens).float().mean().backward()
+    ddp.finish_grad_sync()
+    assert optimizer.step()[0]
+    scheduler.step(increment=1)
+
+  args = megatron_args(distopt, sharding, bf16)
+  metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+  if distopt:
+    metadata["distrib_optim_sharding_type"] = sharding
+    if sharding == "fully_reshardable":
+      metadata["distrib_optim_fully_reshardable_mem_efficient"] = False
+  with_group = {**metadata, "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+  rng_state = {
+    "random_rng_state": random.getstate(),
+    "np_rng_state": np.random.get_state(),
+    "torch_rng_state": torch.get_rng_state(),
+    "cuda_rng_state": torch.get_rng_state(),  # stand-in: no CUDA generator here
+    "rng_tracker_states": get_cuda_rng_tracker().get_states(),
+  }
+  from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+  state = {
+    "args": args,
+    "checkpoint_version": 3.0,
+    "iteration": ITERATION,
+    "model": ddp.module.sharded_state_dict(metadata=with_group),
+  }
+  state["optimizer"] = optimizer.sharded_state_dict(state["model"], metadata=with_group)
+  state["opt_param_scheduler"] = scheduler.state_dict()
+  state["rng_state"] = ShardedObject(
+    "rng_state",
+    [rng_state],
+    (1, TP),
+    (0, ps.get_tensor_model_parallel_rank()),
+    replica_id=ps.get_data_parallel_rank(with_context_parallel=True),
+  )
+  state["num_floating_point_operations_so_far"] = 1.0e6
+  root = Path(out) / variant
+  iter_dir = root / f"iter_{ITERATION:07d}"
+  if rank == 0:
+    iter_dir.mkdir(parents=True)
+  dist.barrier()
+  dist_checkpointing.save(state, str(iter_dir), content_metadata=metadata)
+  # the oracle, from fresh sharded state dicts (the save applied the factories of its own)
+  model_state = ddp.module.sharded_state_dict(metadata=with_group)
+  expected = assemble(model_state)
+  if distopt and sharding != "fully_reshardable":  # the oracle is Megatron's own gather
+    canonical = {
+      **with_group,
+      "distrib_optim_sharding_type": "fully_reshardable",
+      "distrib_optim_fully_reshardable_mem_efficient": False,
+    }
+    expected.update(
+      assemble(
+        optimizer.sharded_state_dict(
+          ddp.module.sharded_state_dict(metadata=canonical), metadata=canonical
+        )
+      )
+    )
+  else:
+    expected.update(
+      assemble(
+        optimizer.sharded_state_dict(
+          ddp.module.sharded_state_dict(metadata=with_group), metadata=with_group
+        )
+      )
+    )
+  if rank == 0:
+    (root / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+    np.savez(root / "expected.npz", **expected)
+    groups = optimizer.param_groups
+    (root / "info.json").write_text(
+      json.dumps(
+        {
+          "megatron_core": __import__("megatron.core").core.__version__,
+          "tp": TP,
+          "dp": DP,
+          "iteration": ITERATION,
+          "distributed_optimizer": distopt,
+          "sharding_type": sharding,
+          "bf16": bf16,
+          "vocab": VOCAB,
+          "padded_vocab": padded_vocab(),
+          "hidden": HIDDEN,
+          "heads": HEADS,
+          "query_groups": GROUPS,
+          "ffn": FFN,
+          "layers": LAYERS,
+          "lr": [g["lr"] for g in groups],
+          "weight_decay": [g["weight_decay"] for g in groups],
+          "step": ITERATION,
+        },
+        indent=1,
+      )
+      + "\n"
+    )
+  dist.barrier()
+  dist.destroy_process_group()
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--out", default=str(REPO_ROOT / "tests/fixtures/megatron_core"))
+  parser.add_argument("--variant", choices=sorted(VARIANTS), action="append")
+  options = parser.parse_args()
+  import torch.multiprocessing as mp
+
+  for index, variant in enumerate(options.variant or VARIANTS):
+    with tempfile.TemporaryDirectory() as scratch:
+      mp.spawn(run_rank, args=(variant, scratch, 29600 + index), nprocs=TP * DP)
+      target = Path(options.out) / variant
+      shutil.rmtree(target, ignore_errors=True)
+      target.parent.mkdir(parents=True, exist_ok=True)
+      shutil.copytree(Path(scratch) / variant, target)
+    size = sum(f.stat().st_size for f in target.rglob("*") if f.is_file())
+    print(f"{variant}: {target} ({size / 1024:.0f} KiB)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+  os.environ.setdefault("PYTHONWARNINGS", "ignore")
+  main()
