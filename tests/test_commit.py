@@ -369,7 +369,7 @@ def test_an_unanswering_store_is_an_error_within_the_timeout():
 
 
 def test_ctrl_c_stops_a_wait_on_a_store():
-  """Ctrl-C once the command waits on its first request (the store has its connection)."""
+  """Ctrl-C once the command waits on its first request (the store has its first bytes)."""
   server, spec = _silent_endpoint()
   with server:
     proc = _ucp(["inspect", spec], UCP_STORE_TIMEOUT_S="600")
@@ -377,6 +377,8 @@ def test_ctrl_c_stops_a_wait_on_a_store():
       server.settimeout(300)  # a hang detector, not a timer
       connection, _ = server.accept()
       with connection:
+        connection.settimeout(300)
+        connection.recv(1)  # its request has begun: the command waits on the answer
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     finally:  # a hung child must not outlive the test (its leftovers would fail the next one)
