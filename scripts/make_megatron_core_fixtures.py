@@ -10,7 +10,8 @@ wheel lacks `megatron/training`; `generate_state_dict` and `save_checkpoint` are
   <out>/<variant>/latest_checkpointed_iteration.txt       "2"
   <out>/<variant>/iter_0000002/                           the torch_dist checkpoint
   <out>/<variant>/expected.npz                            the logical state (below)
-  <out>/<variant>/info.json                               what the variant is
+  <out>/<variant>/info.json                               what the variant is, and the losses
+                                                          of two more steps after the save
 
 Variants: the distributed optimizer in its two formats (`dp_reshardable`, Megatron-LM's default,
 and `fully_reshardable`) and the plain optimizer, in fp32 and bf16.
@@ -55,6 +56,7 @@ import numpy as np
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TP, DP = 2, 2
 ITERATION = 2
+CONTINUED = 2  # steps trained after the save, for tests that resume from it
 VOCAB, DIVISIBLE_BY = 60, 16  # padded to 64 at TP 2, as Megatron-LM pads
 HIDDEN, HEADS, GROUPS, FFN, LAYERS, SEQ = 16, 4, 2, 24, 2, 8
 LR, WEIGHT_DECAY, BETAS, EPS = 1e-2, 0.1, (0.9, 0.95), 1e-8
@@ -196,26 +198,20 @@ def assemble(sharded: dict, group=None) -> dict[str, np.ndarray]:
   return out
 
 
-def run_rank(rank: int, variant: str, out: str, port: int) -> None:
+def build(distopt: bool, bf16: bool, tp: int):
+  """Megatron's GPT (this script's sizes), DDP, optimizer and scheduler, on initialized gloo
+  ranks split `tp` ways: (ddp, optimizer, scheduler)."""
   import torch
-  import torch.distributed as dist
-
-  cpu_stand_ins()
-  distopt, sharding, bf16 = VARIANTS[variant]
-  dist.init_process_group(
-    "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=TP * DP
-  )
-  from megatron.core import dist_checkpointing
   from megatron.core import parallel_state as ps
   from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
   from megatron.core.models.gpt import GPTModel
   from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
   from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
   from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-  from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, initialize_rng_tracker
+  from megatron.core.tensor_parallel.random import initialize_rng_tracker
   from megatron.core.transformer import TransformerConfig
 
-  ps.initialize_model_parallel(tensor_model_parallel_size=TP)
+  ps.initialize_model_parallel(tensor_model_parallel_size=tp)
   initialize_rng_tracker(inference_rng_tracker=True)
   torch.manual_seed(1234)
   dtype = torch.bfloat16 if bf16 else torch.float32
@@ -235,7 +231,7 @@ def run_rank(rank: int, variant: str, out: str, port: int) -> None:
     bf16=bf16,
     params_dtype=dtype,
     pipeline_dtype=dtype,
-    tensor_model_parallel_size=TP,
+    tensor_model_parallel_size=tp,
   )
   model = GPTModel(
     config=config,
@@ -283,16 +279,64 @@ def run_rank(rank: int, variant: str, out: str, port: int) -> None:
     wd_incr_steps=10,
     wd_incr_style="constant",
   )
-  batch = torch.Generator().manual_seed(ps.get_data_parallel_rank())
-  positions = torch.arange(SEQ).expand(2, SEQ)
-  for _ in range(ITERATION):
-    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=batch)
-    ddp.zero_grad_buffer()
-    optimizer.zero_grad()
-    ddp(tokens, positions, None, labels=tokens).float().mean().backward()
-    ddp.finish_grad_sync()
-    assert optimizer.step()[0]
-    scheduler.step(increment=1)
+  return ddp, optimizer, scheduler
+
+
+def train_step(ddp, optimizer, scheduler, tokens) -> float:
+  """One step of Megatron's training loop on `tokens` (labels are the tokens): the loss."""
+  import torch
+
+  positions = torch.arange(tokens.shape[1]).expand(*tokens.shape)
+  ddp.zero_grad_buffer()
+  optimizer.zero_grad()
+  loss = ddp(tokens, positions, None, labels=tokens).float().mean()
+  loss.backward()
+  ddp.finish_grad_sync()
+  assert optimizer.step()[0]
+  scheduler.step(increment=1)
+  return float(loss)
+
+
+def batches(dp_rank: int, steps: int):
+  """The token batches DP rank `dp_rank` trains on, step by step."""
+  import torch
+
+  generator = torch.Generator().manual_seed(dp_rank)
+  return [torch.randint(0, VOCAB, (2, SEQ), generator=generator) for _ in range(steps)]
+
+
+def oracle(ddp, optimizer, distopt: bool, metadata: dict) -> dict[str, np.ndarray]:
+  """The logical state (module doc): model tensors and per-parameter optimizer tensors."""
+  expected = assemble(ddp.module.sharded_state_dict(metadata=metadata))
+  if distopt:  # Megatron's own gather, whatever format the files use
+    metadata = {
+      **metadata,
+      "distrib_optim_sharding_type": "fully_reshardable",
+      "distrib_optim_fully_reshardable_mem_efficient": False,
+    }
+  model_state = ddp.module.sharded_state_dict(metadata=metadata)
+  expected.update(assemble(optimizer.sharded_state_dict(model_state, metadata=metadata)))
+  return expected
+
+
+def run_rank(rank: int, variant: str, out: str, port: int) -> None:
+  import torch
+  import torch.distributed as dist
+
+  cpu_stand_ins()
+  distopt, sharding, bf16 = VARIANTS[variant]
+  dist.init_process_group(
+    "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=TP * DP
+  )
+  from megatron.core import dist_checkpointing
+  from megatron.core import parallel_state as ps
+  from megatron.core.dist_checkpointing.mapping import ShardedObject
+  from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+  ddp, optimizer, scheduler = build(distopt, bf16, TP)
+  steps = batches(ps.get_data_parallel_rank(), ITERATION + CONTINUED)
+  for tokens in steps[:ITERATION]:
+    train_step(ddp, optimizer, scheduler, tokens)
 
   args = megatron_args(distopt, sharding, bf16)
   metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
@@ -308,8 +352,6 @@ def run_rank(rank: int, variant: str, out: str, port: int) -> None:
     "cuda_rng_state": torch.get_rng_state(),  # stand-in: no CUDA generator here
     "rng_tracker_states": get_cuda_rng_tracker().get_states(),
   }
-  from megatron.core.dist_checkpointing.mapping import ShardedObject
-
   state = {
     "args": args,
     "checkpoint_version": 3.0,
@@ -332,34 +374,13 @@ def run_rank(rank: int, variant: str, out: str, port: int) -> None:
     iter_dir.mkdir(parents=True)
   dist.barrier()
   dist_checkpointing.save(state, str(iter_dir), content_metadata=metadata)
-  # the oracle, from fresh sharded state dicts (the save applied the factories of its own)
-  model_state = ddp.module.sharded_state_dict(metadata=with_group)
-  expected = assemble(model_state)
-  if distopt and sharding != "fully_reshardable":  # the oracle is Megatron's own gather
-    canonical = {
-      **with_group,
-      "distrib_optim_sharding_type": "fully_reshardable",
-      "distrib_optim_fully_reshardable_mem_efficient": False,
-    }
-    expected.update(
-      assemble(
-        optimizer.sharded_state_dict(
-          ddp.module.sharded_state_dict(metadata=canonical), metadata=canonical
-        )
-      )
-    )
-  else:
-    expected.update(
-      assemble(
-        optimizer.sharded_state_dict(
-          ddp.module.sharded_state_dict(metadata=with_group), metadata=with_group
-        )
-      )
-    )
+  expected = oracle(ddp, optimizer, distopt, with_group)  # fresh state dicts: save applied its own
+  saved_groups = [dict(g) for g in optimizer.param_groups]  # lr and weight decay as saved
+  continued = [train_step(ddp, optimizer, scheduler, tokens) for tokens in steps[ITERATION:]]
   if rank == 0:
     (root / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
     np.savez(root / "expected.npz", **expected)
-    groups = optimizer.param_groups
+    groups = saved_groups
     (root / "info.json").write_text(
       json.dumps(
         {
@@ -380,6 +401,7 @@ def run_rank(rank: int, variant: str, out: str, port: int) -> None:
           "lr": [g["lr"] for g in groups],
           "weight_decay": [g["weight_decay"] for g in groups],
           "step": ITERATION,
+          "continued_losses": continued,  # DP rank 0's loss at the next iterations
         },
         indent=1,
       )

@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import jax
@@ -276,3 +277,73 @@ def test_the_fixtures_are_what_the_script_makes():
       script.padded_vocab(),
     )
   assert os.path.getsize(DP_RESHARDABLE / "expected.npz") < 200_000
+
+
+# --- other layouts: megatron-core <= 0.18 (common.pt), NeMo 2 (module.) ---
+
+
+def _rewrite_metadata(folder: Path, rename=lambda key: key, drop: tuple[str, ...] = ()) -> None:
+  """`folder`'s DCP metadata with keys renamed and entries dropped (torch's own classes)."""
+  import dataclasses
+  import pickle
+
+  pytest.importorskip("torch")
+  with open(folder / ".metadata", "rb") as f:
+    meta = pickle.load(f)  # the fixture's own, written by megatron-core
+  meta.state_dict_metadata = {
+    rename(k): v for k, v in meta.state_dict_metadata.items() if k not in drop
+  }
+  meta.storage_data = {
+    dataclasses.replace(index, fqn=rename(index.fqn)): info
+    for index, info in meta.storage_data.items()
+    if index.fqn not in drop
+  }
+  with open(folder / ".metadata", "wb") as f:
+    pickle.dump(meta, f)
+
+
+def test_a_megatron_core_0_18_folder_reads_its_common_state_from_common_pt(tmp_path):
+  torch = pytest.importorskip("torch")
+  import io
+
+  import torch.distributed.checkpoint as dcp
+
+  root = tmp_path / "run"
+  shutil.copytree(DP_RESHARDABLE, root)
+  folder = root / "iter_0000002"
+  blob = {"common_state/shard_0_1": io.BytesIO()}
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
+    dcp.load(blob, storage_reader=dcp.FileSystemReader(str(folder)), no_dist=True)
+  (common,) = blob["common_state/shard_0_1"]  # megatron's ShardedObject list
+  torch.save(common, folder / "common.pt")
+  _rewrite_metadata(folder, drop=("common_state/shard_0_1",))
+  plan = _registry.describe(root)
+  assert plan.step == 2 and plan.optimizer.step == 2
+  assert plan.extra["megatron"]["args"]["hidden_size"] == 16
+  want = expected(DP_RESHARDABLE.name)
+  for p in plan.params:
+    assert np.array_equal(whole(p.slots["exp_avg"]), want[f"optimizer.state.exp_avg.{p.name}"])
+
+
+def test_nemo_2_module_prefixed_keys_read_under_megatrons_names(tmp_path):
+  root = tmp_path / "run"
+  shutil.copytree(FIXTURES / "adam_bf16", root)
+
+  def nemo(key: str) -> str:
+    for slot in ("exp_avg", "exp_avg_sq", "fp32_param"):
+      head = f"optimizer.state.{slot}."
+      if key.startswith(head):
+        return head + "module." + key[len(head) :]
+    return key if key.startswith(("optimizer.", "rng_state", "common_state")) else "module." + key
+
+  _rewrite_metadata(root / "iter_0000002", rename=nemo)
+  plan = _registry.describe(root)
+  want = expected("adam_bf16")
+  names = [p.name for p in plan.params]
+  assert "decoder.layers.self_attention.linear_qkv.weight" in names and len(names) == 9
+  for p in plan.params:
+    assert np.array_equal(whole(p.value), want[f"optimizer.state.fp32_param.{p.name}"]), p.name
+    assert np.array_equal(
+      whole(p.slots["exp_avg_sq"]), want[f"optimizer.state.exp_avg_sq.{p.name}"]
+    )

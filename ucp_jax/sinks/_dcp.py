@@ -101,7 +101,7 @@ def export(
   names = [f"__{r}_0.distcp" for r in range(ranks)]
   written = 0
   with _folder.staged(dst) as staging:
-    writer = _Writer(torch, staging, names)
+    writer = RankFileWriter(torch, staging, names)
     try:
       for flat, key, path in entries:
         if key is None:  # a tied parameter: the bytes of the one it names
@@ -176,7 +176,7 @@ def _entries(
   return out
 
 
-def _optimizer_entries(torch, writer: _Writer, state: _resolved.ResolvedState) -> None:
+def _optimizer_entries(torch, writer: RankFileWriter, state: _resolved.ResolvedState) -> None:
   """Each parameter's step and each group's hyperparameters and names."""
   step = torch.tensor(float(state.step), dtype=torch.float32)
   for p in state.trainable:
@@ -198,7 +198,7 @@ def _defaults(torch, kind: str) -> dict[str, Any]:
   return dict(getattr(torch.optim, name)([torch.zeros(1)], **kwargs).defaults)
 
 
-class _Writer:
+class RankFileWriter:
   """Rank files written in step; the metadata dcp.save would write for them."""
 
   def __init__(self, torch, folder: str, names: list[str]):

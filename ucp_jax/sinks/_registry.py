@@ -90,6 +90,7 @@ SINKS = _plugins.Registry(
     "hf": "ucp_jax.sinks._hf",
     "orbax": "ucp_jax.sinks._orbax",
     "dcp": "ucp_jax.sinks._dcp",
+    "megatron": "ucp_jax.sinks._megatron",
   },
   _plugins.protocol_members(Sink),
 )

@@ -243,26 +243,36 @@ def _optimizer(groups: list[dict], step: int | None) -> _schema.Optimizer:
   return _schema.Optimizer(type=kind, step=step, groups=tuple(map(_schema.GroupEntry, hypers)))
 
 
+COLUMN = (".linear_qkv.", ".linear_fc1.", "embedding.word_embeddings.", "output_layer.")
+ROW = (".linear_proj.weight", ".linear_fc2.weight")
+
+
 def _pattern(entry: TensorEntry, name: str, args: dict) -> dict | None:
-  """The tensor-parallel pattern the chunks show, per layer (the layer axis counts)."""
+  """How tensor parallelism splits the parameter in megatron-core's GPT (by module), with the
+  layer axis counted: `column` splits outputs, `row` inputs; SwiGLU's `linear_fc1` holds two
+  sub-parameters (`[gate; up]`); norms and row-parallel biases are replicated."""
   lead = 1 if name.startswith(LAYERS) else 0
-  tp = args.get("tensor_model_parallel_size")
-  if not isinstance(tp, int) or tp < 1 or len(entry.shape) <= lead:
-    return None
-  split = [
-    d for d in range(lead, len(entry.shape)) if len({c.offsets[d] for c in entry.chunks}) > 1
-  ]
-  if not split:
+  if "norm" in name.rpartition(".")[0].rpartition(".")[2] or name.endswith("layer_norm_weight"):
     return {"kind": "replicated"}
-  if len(split) > 1:
-    return None
-  axis = split[0]
-  pieces = len({c.offsets[axis] for c in entry.chunks})
-  if pieces == 2 * tp and name.endswith("linear_fc1.weight"):
-    return {"kind": "sub_params", "cat_dim": axis, "sub_params": 2}
-  if pieces != tp:
-    return None
-  return {"kind": "column" if axis == lead else "row", "cat_dim": axis}
+  if name.endswith(ROW):
+    return {"kind": "row", "cat_dim": lead + 1}
+  if name.endswith((".linear_proj.bias", ".linear_fc2.bias")):
+    return {"kind": "replicated"}
+  if name.endswith(".linear_fc1.weight") and _swiglu(entry, args, lead):
+    return {"kind": "sub_params", "cat_dim": lead, "sub_params": 2}
+  if any(part in name or name.startswith(part) for part in COLUMN):
+    return {"kind": "column", "cat_dim": lead}
+  return None
+
+
+def _swiglu(entry: TensorEntry, args: dict, lead: int) -> bool:
+  """Whether `linear_fc1` is SwiGLU's `[gate; up]`: `args.swiglu`, else its chunks (two per
+  TP rank)."""
+  if isinstance(args.get("swiglu"), bool):
+    return args["swiglu"]
+  tp = args.get("tensor_model_parallel_size")
+  pieces = len({c.offsets[lead] for c in entry.chunks}) if len(entry.shape) > lead else 0
+  return isinstance(tp, int) and tp > 0 and pieces == 2 * tp
 
 
 def _extra(common: dict, layout: Layout, files, sharding: str | None, args: dict) -> dict:

@@ -1,0 +1,265 @@
+"""Megatron-core as a sink: a Megatron-LM root that `dist_checkpointing.load` reads on any TP x DP.
+
+```
+dst/latest_checkpointed_iteration.txt    the iteration
+dst/iter_0000100/.metadata               torch DCP metadata, as megatron-core's torch_dist writes
+dst/iter_0000100/__0_0.distcp            the tensors, and the common state (`common_state`)
+dst/iter_0000100/metadata.json           {"sharded_backend": "torch_dist", ...}
+dst/ucp_export.json                      {"written_by": "ucp_jax", "format": "megatron", ...}
+```
+
+The model goes under Megatron's sharded keys, as the checkpoint names them (a Megatron source:
+layers stacked, QKV by query group, SwiGLU's `[gate; up]`); no rule set maps other names to
+Megatron's yet. The optimizer is written in the distributed optimizer's `fully_reshardable`
+form, the one megatron-core reshards onto any TP and DP size: `optimizer.state.param.KEY` (the
+fp32 master), `optimizer.state.exp_avg.KEY`, `optimizer.state.exp_avg_sq.KEY`, with the param
+groups (and their step) in the common state. The model tensors are the masters cast to the
+run's parameter dtype (`args.params_dtype`, or `dtype=`).
+
+The common state holds what Megatron-LM's `load_checkpoint` reads: `args` (an
+`argparse.Namespace` of the recorded fields), `checkpoint_version` 3.0, `iteration`, the
+scheduler and the FLOPs count where recorded, and `content_metadata` naming the optimizer
+format. Per-rank RNG states are not written: resume Megatron-LM with `--no-load-rng`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from ucp_jax.base import _errors
+from ucp_jax.sinks import _folder, _resolved
+from ucp_jax.sinks._dcp import RankFileWriter, import_torch
+from ucp_jax.sinks._registry import Destination, option
+from ucp_jax.sinks._report import ExportReport
+from ucp_jax.store import _checkpoint
+
+NAME = "megatron"
+TORCH_NAMES = False  # Megatron's own names, which no rule set makes yet
+DESCRIPTION = (
+  "a Megatron-LM root (iter_NNNNNNN, torch_dist) that megatron-core's dist_checkpointing.load "
+  "reads onto any TP and DP size, model and distributed optimizer (fully_reshardable)"
+)
+TRACKER = "latest_checkpointed_iteration.txt"
+CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
+SHARDING = "fully_reshardable"
+DTYPES = ("float32", "bfloat16", "float16")
+MARKERS = ("decoder.layers.", "embedding.word_embeddings.weight", "decoder.final_layernorm.")
+
+
+def _dtype_or_none(value: Any) -> str | None:
+  return None if value in (None, "") else str(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """How a Megatron export writes the model."""
+
+  dtype: str | None = option(
+    None,
+    "the model tensors' dtype (default: the run's args.params_dtype, else float32)",
+    parse=_dtype_or_none,
+    choices=DTYPES,
+  )
+  iteration: int | None = option(
+    None, "the iteration folder to write (default: the recorded iteration, else the step)"
+  )
+
+  def __post_init__(self) -> None:
+    if self.dtype is not None and self.dtype not in DTYPES:
+      raise _errors.InvalidArgumentError(f"dtype={self.dtype!r}: one of {', '.join(DTYPES)}")
+    it = self.iteration
+    if it is not None and (isinstance(it, bool) or not isinstance(it, int) or it < 0):
+      raise _errors.InvalidArgumentError(f"iteration={it!r}: a number of iterations, 0 or more")
+
+
+def check_options(destination: Destination, options: Options | None = None) -> str:
+  """The absolute export path; an existing folder must be an earlier Megatron export."""
+  return _folder.check_destination(
+    destination, not_an_export=_not_an_export, what="a Megatron export"
+  )
+
+
+def _not_an_export(path: str) -> list[str]:
+  return _folder.foreign_entries(path, NAME, "a Megatron export", ours=(TRACKER,), files_only=False)
+
+
+def export(
+  ckpt: _checkpoint.Checkpoint, destination: Destination, options: Options | None = None
+) -> ExportReport:
+  """Writes `ckpt` (Megatron names) as a Megatron-LM root; see the module docstring.
+
+  Raises:
+    MappingError: the checkpoint has no Megatron names, or no parameter schema.
+    MissingDependencyError: torch is not installed.
+  """
+  options = Options() if options is None else options
+  start = time.perf_counter()
+  dst = check_options(destination)
+  schema = ckpt.manifest.typed_schema
+  state = _resolved.resolve(ckpt) if schema is not None and schema.optimizer else None
+  weights = _resolved.weights(ckpt)
+  names = [p.name for p in weights.params]
+  if not any(n.startswith(MARKERS) for n in names):
+    raise _errors.MappingError(
+      f"{ckpt.location}: no Megatron parameter names (decoder.layers.*, "
+      "embedding.word_embeddings.weight): a Megatron export writes a checkpoint that came from "
+      "Megatron; no rule set maps other names to Megatron's yet"
+    )
+  if weights.tied or weights.buffers:
+    raise _errors.MappingError(
+      f"{ckpt.location}: tied parameters or buffers ({', '.join([*weights.tied, *(b.name for b in weights.buffers)])}), "
+      "which a Megatron checkpoint of a GPT model does not have"
+    )
+  megatron = (schema.extra.get("megatron") if schema is not None else None) or {}
+  args = dict(megatron.get("args") or {})
+  dtype = options.dtype or _params_dtype(args)
+  iteration = options.iteration
+  if iteration is None:
+    recorded = megatron.get("iteration")
+    iteration = recorded if isinstance(recorded, int) else (ckpt.step or 0)
+  torch = import_torch()
+  folder = f"iter_{iteration:07d}"
+  total = sum(ckpt[key].nbytes for key in _keys(weights, state))
+  progress = destination.progress
+  written = 0
+  with _folder.staged(dst) as staging:
+    os.mkdir(os.path.join(staging, folder))
+    writer = RankFileWriter(torch, os.path.join(staging, folder), ["__0_0.distcp"])
+    try:
+      for p in weights.params:
+        master = np.ascontiguousarray(ckpt.read(p.value))
+        writer.tensor(p.name, _cast(master, dtype), (p.name,))
+        if state is not None:
+          flat = f"optimizer.state.param.{p.name}"
+          writer.tensor(flat, _cast(master, "float32"), (flat,))
+        written += master.nbytes
+        if progress is not None:
+          progress(p.value, master.nbytes, total)
+      for p in state.trainable if state is not None else ():
+        for slot, key in p.slots.items():
+          array = np.ascontiguousarray(ckpt.read(key), dtype=np.float32)
+          flat = f"optimizer.state.{slot}.{p.name}"
+          writer.tensor(flat, array, (flat,))
+          written += array.nbytes
+          if progress is not None:
+            progress(key, array.nbytes, total)
+      for key in _extra_state_keys(names, weights, ckpt, megatron):
+        writer.object(key, [None], (key,))
+      common = _common(megatron, args, dtype, iteration, state)
+      writer.object("common_state/shard_0_1", [common], ("common_state/shard_0_1",))
+    finally:
+      writer.close()
+    writer.commit()
+    with open(os.path.join(staging, folder, "metadata.json"), "w") as f:
+      json.dump(CONFIG, f)
+    with open(os.path.join(staging, TRACKER), "w") as f:
+      f.write(str(iteration))
+    _folder.write_marker(staging, NAME, files=[folder])
+  notes = list(state.not_carried) if state is not None else []
+  recorded = (megatron.get("extra_state") or {}).values()
+  if any(value not in (None, [None]) for value in recorded):
+    notes.append("not written: TransformerEngine's FP8 scaling state (_extra_state)")
+  if megatron.get("not_carried"):
+    notes.append("not written: the per-rank RNG states (resume Megatron-LM with --no-load-rng)")
+  return ExportReport(
+    path=dst,
+    tag=folder,
+    zero_stages=(),
+    params=len(weights.params),
+    frozen=weights.frozen,
+    buffers=(),
+    tied={},
+    step=state.step if state is not None else ckpt.step,
+    nbytes=written,
+    seconds=time.perf_counter() - start,
+    notes=tuple(notes),
+    format=NAME,
+    summary=(
+      f"Megatron-LM root, {folder}: {len(weights.params)} params in {dtype}"
+      + (f" with the fp32 masters, {', '.join(state.slot_names)} ({SHARDING})" if state else "")
+    ),
+  )
+
+
+def _extra_state_keys(names, weights, ckpt, megatron: dict) -> list[str]:
+  """The `_extra_state` objects megatron-core loads for each layer's linear modules.
+
+  They hold TransformerEngine's FP8 scaling state; megatron-core asks for one per layer and
+  module (`<module>._extra_state/shard_<layer>_<layers>`), None with the local layer spec.
+  They are written as None: a TE run starts its FP8 scaling history afresh.
+  """
+  keys = set(megatron.get("extra_state") or {})
+  for p in weights.params:
+    module, _, leaf = p.name.rpartition(".")
+    if leaf == "weight" and module.startswith("decoder.layers.") and ".linear_" in module:
+      layers = ckpt[p.value].shape[0]
+      keys.update(f"{module}._extra_state/shard_{layer}_{layers}" for layer in range(layers))
+  return sorted(keys)
+
+
+def _keys(weights: _resolved.ResolvedWeights, state: _resolved.ResolvedState | None) -> list[str]:
+  keys = [p.value for p in weights.params]
+  for p in state.trainable if state is not None else ():
+    keys += list(p.slots.values())
+  return keys
+
+
+def _params_dtype(args: dict) -> str:
+  recorded = str(args.get("params_dtype") or "")
+  if args.get("bf16") or recorded.endswith("bfloat16"):
+    return "bfloat16"
+  if args.get("fp16") or recorded.endswith("float16"):
+    return "float16"
+  return "float32"
+
+
+def _cast(array: np.ndarray, dtype: str) -> np.ndarray:
+  if dtype == "bfloat16":
+    import ml_dtypes
+
+    return array.astype(ml_dtypes.bfloat16)
+  return array.astype(dtype, copy=False)
+
+
+def _common(
+  megatron: dict, args: dict, dtype: str, iteration: int, state: _resolved.ResolvedState | None
+) -> dict:
+  """The common state megatron-core saves beside the tensors (Megatron-LM's layout)."""
+  content: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+  fields = {**args, "iteration": iteration, "ckpt_format": "torch_dist"}
+  fields["params_dtype"] = f"torch.{dtype}"
+  common: dict[str, Any] = {
+    "args": argparse.Namespace(**fields),
+    "checkpoint_version": 3.0,
+    "iteration": iteration,
+    "num_floating_point_operations_so_far": megatron.get("num_floating_point_operations_so_far", 0),
+  }
+  if isinstance(megatron.get("opt_param_scheduler"), dict):
+    common["opt_param_scheduler"] = megatron["opt_param_scheduler"]
+  if state is not None:
+    content["distrib_optim_sharding_type"] = SHARDING
+    content["distrib_optim_fully_reshardable_mem_efficient"] = False
+    fields["use_distributed_optimizer"] = True
+    fields["dist_ckpt_optim_fully_reshardable"] = True
+    groups = [_group(hyper, state.step) for hyper in state.groups]
+    common["optimizer"] = {
+      "optimizer": {"param_groups": groups},
+      "param_state_sharding_type": SHARDING,
+    }
+    common["args"] = argparse.Namespace(**fields)
+  common["content_metadata"] = content
+  return common
+
+
+def _group(hyper: dict, step: int) -> dict:
+  """A torch param group as Megatron's distributed optimizer saves it (no `params`)."""
+  group = {k: tuple(v) if k == "betas" and isinstance(v, list) else v for k, v in hyper.items()}
+  group["step"] = float(step)
+  return group
