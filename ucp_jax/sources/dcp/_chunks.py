@@ -166,14 +166,20 @@ def _pread(fd: int, path: str, at: int, out: np.ndarray) -> None:
   _file_reads.pread_into(fd, path, at, out, "a chunk")
 
 
-class _Reader:
-  """Region reads of one tensor from its chunks (those a region meets found by `_tiling.Index`)."""
+class Reader:
+  """Region reads of one tensor from its chunks (those a region meets found by `_tiling.Index`),
+  straight from the rank files: callable from a lazy array's cell callback, which must not wait
+  on another TensorStore read."""
 
   def __init__(self, files: RankFiles, entry: TensorEntry, where: str):
     self._files = files
     self._entry = entry
     self._where = where
     self._index = _tiling.Index(entry.chunks)
+
+  @property
+  def dtype(self) -> np.dtype:
+    return np.dtype(self._entry.dtype)
 
   def read(self, region: Region, out: np.ndarray | None = None) -> np.ndarray:
     """`region` of the tensor (into `out`, if given), from the chunks under it only."""
@@ -205,7 +211,7 @@ COMPARE_BYTES = 16 << 20
 def same_bytes(files: RankFiles, a: TensorEntry, b: TensorEntry) -> bool:
   """Whether tensors `a` and `b` (of one shape and dtype) hold the same bytes, compared a
   block at a time: memory stays bounded however large they declare themselves."""
-  readers = [_Reader(files, e, f"{files.folder}: `{e.key}`") for e in (a, b)]
+  readers = [Reader(files, e, f"{files.folder}: `{e.key}`") for e in (a, b)]
   for region in _blocks(a.shape, np.dtype(a.dtype).itemsize, COMPARE_BYTES):
     x, y = (reader.read(region) for reader in readers)
     if x.tobytes() != y.tobytes():
@@ -232,7 +238,7 @@ def _blocks(shape: tuple[int, ...], itemsize: int, limit: int):
 
 def tensor(files: RankFiles, entry: TensorEntry, where: str) -> Tensor:
   """`entry` as a plan `Tensor`: lazy `pieces` and a lazy TensorStore (`store`)."""
-  reader = _Reader(files, entry, where)
+  reader = Reader(files, entry, where)
   itemsize = np.dtype(entry.dtype).itemsize
   cells = _zarr.choose_chunks(entry.shape, shard_shape(entry), itemsize, CELL_BYTES)
 

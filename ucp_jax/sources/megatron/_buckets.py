@@ -111,7 +111,8 @@ def rebuild(layout: Layout, files, model: dict, tensors: dict, args: dict, meta:
 
 
 def _bucket_tensors(layout: Layout, files, meta: str) -> dict[tuple[int, int, str], Any]:
-  """(domain, bucket, state) -> the bucket's flat checkpoint tensor (one buffer, one dtype)."""
+  """(domain, bucket, state) -> a reader of the bucket's flat checkpoint tensor (one buffer,
+  one dtype)."""
   out = {}
   buffers = set()
   for key, entry in layout.entries.items():
@@ -120,7 +121,7 @@ def _bucket_tensors(layout: Layout, files, meta: str) -> dict[tuple[int, int, st
       continue
     domain, gbuf, dtypes, bucket, state = found.groups()
     buffers.add((gbuf, dtypes))
-    out[(int(domain), int(bucket), state)] = _chunks.tensor(files, entry, f"{meta}: `{key}`")
+    out[(int(domain), int(bucket), state)] = _chunks.Reader(files, entry, f"{meta}: `{key}`")
   if len(buffers) != 1:
     raise SourceFormatError(
       f"{meta}: dp_reshardable state in {len(buffers)} buffers ({sorted(buffers)}); ucp_jax "
@@ -267,13 +268,8 @@ def _lazy(name, shape, dtype, places, buckets, state, where) -> Tensor:
         ]
         if any(o.start >= o.stop for o in overlap):
           continue
-        flat = (
-          buckets[(domain, place.bucket, state)]
-          .store[place.start : place.start + math.prod(place.local_shape)]
-          .read()
-          .result()
-        )
-        local = np.asarray(flat).reshape(place.local_shape)
+        span = slice(place.start, place.start + math.prod(place.local_shape))
+        local = buckets[(domain, place.bucket, state)].read((span,)).reshape(place.local_shape)
         lead = len(global_box) - len(local_box)
         source = tuple(
           slice(o.start - g.start + lb.start, o.stop - g.start + lb.start)

@@ -45,7 +45,9 @@ def is_iteration_folder(path: str, fs: _files.Files) -> bool:
 
 
 def is_root(path: str, fs: _files.Files) -> bool:
-  return fs.isdir(path) and fs.isfile(os.path.join(path, TRACKER))
+  """A folder with Megatron-LM's tracker file (any kind of file: reading it says what it is)."""
+  found = fs.isfile if fs.remote else os.path.lexists
+  return fs.isdir(path) and found(os.path.join(path, TRACKER))
 
 
 def iteration_folder(path: str, fs: _files.Files, iteration: int | str | None) -> str:
