@@ -10,6 +10,7 @@ wheel lacks `megatron/training`; `generate_state_dict` and `save_checkpoint` are
   <out>/<variant>/latest_checkpointed_iteration.txt       "2"
   <out>/<variant>/iter_0000002/                           the torch_dist checkpoint
   <out>/<variant>/expected.npz                            the logical state (below)
+  <out>/<variant>/logits.npz                              Megatron's logits for fixed tokens
   <out>/<variant>/info.json                               what the variant is, and the losses
                                                           of two more steps after the save
 
@@ -322,6 +323,22 @@ def oracle(ddp, optimizer, distopt: bool, metadata: dict) -> dict[str, np.ndarra
   return expected
 
 
+def forward(ddp) -> tuple[np.ndarray, np.ndarray]:
+  """Megatron's logits (float32, the padded vocabulary gathered over TP) for fixed tokens."""
+  import torch
+  import torch.distributed as dist
+  from megatron.core import parallel_state as ps
+
+  tokens = (torch.arange(2 * SEQ) * 7 % VOCAB).reshape(2, SEQ)
+  positions = torch.arange(SEQ).expand(2, SEQ)
+  with torch.no_grad():
+    local = ddp(tokens, positions, None).float()
+  group = ps.get_tensor_model_parallel_group()
+  pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+  dist.all_gather(pieces, local.contiguous(), group=group)
+  return tokens.numpy(), torch.cat(pieces, dim=-1).numpy()
+
+
 def load(ddp, optimizer, scheduler, root: str) -> int:
   """Loads a Megatron-LM root's latest iteration into `ddp`, `optimizer` and `scheduler` as
   Megatron-LM's `load_checkpoint` does (the checkpoint's content metadata, one
@@ -441,10 +458,12 @@ def run_rank(rank: int, variant: str, out: str, port: int) -> None:
   if not os.environ.get("UCP_MEGATRON_NO_ORACLE"):  # fresh state dicts: save applied its own
     expected = oracle(ddp, optimizer, distopt, with_group)
   saved_groups = [dict(g) for g in optimizer.param_groups]  # lr and weight decay as saved
+  tokens, logits = forward(ddp)
   continued = [train_step(ddp, optimizer, scheduler, tokens) for tokens in steps[ITERATION:]]
   if rank == 0:
     (root / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
     np.savez(root / "expected.npz", **expected)
+    np.savez(root / "logits.npz", tokens=tokens, logits=logits)
     groups = saved_groups
     (root / "info.json").write_text(
       json.dumps(

@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 
 from ucp_jax.base._errors import SourceFormatError
-from ucp_jax.sources._source_plan import Tensor, lazy_tensor
 from ucp_jax.sources.dcp import _chunks
 from ucp_jax.sources.dcp._metadata import BytesEntry, Layout, TensorEntry
+from ucp_jax.sources.megatron._readable import Readable
 
 PREFIX = "optimizer.distributed.dp_group_idx_"
 BUCKET = re.compile(
@@ -47,8 +47,8 @@ REFUSAL = (
 
 @dataclasses.dataclass
 class Rebuilt:
-  masters: dict[str, Tensor]
-  slots: dict[str, dict[str, Tensor]]
+  masters: dict[str, Readable]
+  slots: dict[str, dict[str, Readable]]
   param_groups: list[dict]
 
 
@@ -94,7 +94,7 @@ def rebuild(layout: Layout, files, model: dict, tensors: dict, args: dict, meta:
   sizes = {d: _bucket_sizes(layout, files, d, meta) for d in domains}
   places = {d: _walk(order, layout, model, d, tp, sizes[d], meta) for d in domains}
   states = sorted({s for _, _, s in buckets})
-  per_state: dict[str, dict[str, Tensor]] = {}
+  per_state: dict[str, dict[str, Readable]] = {}
   for state in states:
     for name, key in model.items():
       dtype = buckets[(0, 0, state)].dtype
@@ -103,7 +103,7 @@ def rebuild(layout: Layout, files, model: dict, tensors: dict, args: dict, meta:
         name, tensors[name].shape, dtype, places, buckets, state, where
       )
   masters = per_state.pop(MASTER, {})
-  slots: dict[str, dict[str, Tensor]] = {}
+  slots: dict[str, dict[str, Readable]] = {}
   for state, by_name in per_state.items():
     for name, value in by_name.items():
       slots.setdefault(name, {})[state] = value
@@ -248,7 +248,7 @@ def _local(entry: TensorEntry, layer: int | None, domain: int, tp: int, meta: st
   return local_shape, tuple(pieces), False
 
 
-def _lazy(name, shape, dtype, places, buckets, state, where) -> Tensor:
+def _lazy(name, shape, dtype, places, buckets, state, where) -> Readable:
   """A parameter's `state`, read from the domains' buckets by region."""
   entries = [
     (domain, place)
@@ -281,7 +281,7 @@ def _lazy(name, shape, dtype, places, buckets, state, where) -> Tensor:
     if covered != out.size:
       raise SourceFormatError(f"{where}: the buckets cover {covered} of {out.size} elements")
 
-  return lazy_tensor(shape, dtype, read, where=where)
+  return Readable(tuple(shape), np.dtype(dtype), read, where)
 
 
 def _param_groups(layout: Layout, files, meta: str) -> list[dict]:

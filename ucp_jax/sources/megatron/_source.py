@@ -29,12 +29,13 @@ from typing import Any
 
 import numpy as np
 
-from ucp_jax.base._errors import SourceFormatError, bullet_list
+from ucp_jax.base._errors import InvalidArgumentError, SourceFormatError, bullet_list
 from ucp_jax.sources import _files
-from ucp_jax.sources._source_plan import Plan, SourceParam, Tensor, jsonable, number
+from ucp_jax.sources._source_plan import Plan, SourceParam, jsonable, number
 from ucp_jax.sources.dcp import _chunks, _metadata
 from ucp_jax.sources.dcp._metadata import BytesEntry, Layout, TensorEntry
-from ucp_jax.sources.megatron import _buckets, _folders
+from ucp_jax.sources.megatron import _buckets, _folders, _hf_names, _readable
+from ucp_jax.sources.megatron._readable import Readable
 from ucp_jax.store import _schema
 
 NAME = "megatron"
@@ -62,12 +63,14 @@ def sniff_weak(path: str) -> bool:
   return False
 
 
-def describe(path: str, iteration: int | str | None = None) -> Plan:
+def describe(path: str, iteration: int | str | None = None, names: str = "megatron") -> Plan:
   """The model, its optimizer slots and the common state of one iteration; data stays put.
 
   Args:
     path: a Megatron-LM root (its latest iteration is read) or one iteration folder.
     iteration: under a root, the iteration to read instead (a number, or "release").
+    names: "megatron" (the checkpoint's own names and layouts), or "hf": a Llama-style GPT
+      under Hugging Face Llama's names and layouts (`_hf_names`), with its `config.json`.
 
   Raises:
     SourceFormatError: not a checkpoint this reads (every problem listed, file and key), or a
@@ -75,6 +78,8 @@ def describe(path: str, iteration: int | str | None = None) -> Plan:
       rebuild (the message says what is missing).
     UnsafePickleError: a pickle in it asks for something that can run code.
   """
+  if names not in ("megatron", "hf"):
+    raise InvalidArgumentError(f"names={names!r}: 'megatron' (as saved) or 'hf' (Llama's)")
   fs = _files.for_path(path)
   path = fs.absolute(path) if fs.remote else path
   folder = _folders.iteration_folder(path, fs, iteration)
@@ -90,7 +95,8 @@ def describe(path: str, iteration: int | str | None = None) -> Plan:
     raise SourceFormatError(f"{meta}: no model tensors (a checkpoint without the model?)")
   entries = {name: _tensor_entry(layout, key) for name, key in model.items()}
   tensors = {
-    name: _chunks.tensor(files, entries[name], f"{meta}: `{key}`") for name, key in model.items()
+    name: _readable.of_entry(files, entries[name], f"{meta}: `{key}`")
+    for name, key in model.items()
   }
   optimizer_state = common.get("optimizer")
   optimizer_state = optimizer_state if isinstance(optimizer_state, dict) else None
@@ -113,23 +119,39 @@ def describe(path: str, iteration: int | str | None = None) -> Plan:
   has_optimizer = bool(slots)
   members = _group_members(model, tensors, groups_state, common_where) if has_optimizer else []
   group_of = {name: g for g, names in enumerate(members) for name in names}
+  step = _step(optimizer_state, groups_state)
+  extra = {"megatron": _extra(common, layout, files, sharding, args)}
+  source = _source(path, folder, layout, common)
+  optimizer = _optimizer(groups_state, step) if has_optimizer else None
+  if names == "hf":
+    arrays = {n: {"value": masters.get(n, tensors[n]), **slots.get(n, {})} for n in model}
+    groups = {n: group_of.get(n) for n in model} if has_optimizer else {}
+    params, config = _hf_names.params(arrays, groups, args, meta)
+    return Plan(
+      params=params,
+      optimizer=optimizer,
+      extra={"megatron": {**extra["megatron"], "names": "hf"}},
+      source={**source, "config": config},
+      step=_schema.integer_or_none(common.get("iteration")),
+      path=folder,
+      format=NAME,
+    )
   params = [
     SourceParam(
       name,
-      masters.get(name, tensors[name]),
-      slots=slots.get(name, {}),
+      masters.get(name, tensors[name]).tensor(),
+      slots={slot: value.tensor() for slot, value in slots.get(name, {}).items()},
       group=group_of.get(name) if has_optimizer else None,
       pattern=_pattern(entries[name], name, args),
       shard_shape=_chunks.shard_shape(entries[name]),
     )
     for name in model
   ]
-  step = _step(optimizer_state, groups_state)
   return Plan(
     params=params,
-    optimizer=_optimizer(groups_state, step) if has_optimizer else None,
-    extra={"megatron": _extra(common, layout, files, sharding, args)},
-    source=_source(path, folder, layout, common),
+    optimizer=optimizer,
+    extra=extra,
+    source=source,
     step=_schema.integer_or_none(common.get("iteration")),
     path=folder,
     format=NAME,
@@ -155,8 +177,8 @@ def _tensor_entry(layout: Layout, key: str) -> TensorEntry:
 
 def _per_parameter(layout: Layout, files, model, tensors, meta, problems):
   """Masters and slots of the plain optimizer and of `fully_reshardable` (`optimizer.state.*`)."""
-  masters: dict[str, Tensor] = {}
-  slots: dict[str, dict[str, Tensor]] = {}
+  masters: dict[str, Readable] = {}
+  slots: dict[str, dict[str, Readable]] = {}
   for key, entry in layout.entries.items():
     found = STATE.match(key)
     if found is None or not isinstance(entry, TensorEntry):
@@ -168,7 +190,7 @@ def _per_parameter(layout: Layout, files, model, tensors, meta, problems):
     if name not in model:
       problems.append(f"{meta}: `{key}`: optimizer state of `{target}`, which the model lacks")
       continue
-    value = _chunks.tensor(files, entry, f"{meta}: `{key}`")
+    value = _readable.of_entry(files, entry, f"{meta}: `{key}`")
     if value.shape != tensors[name].shape:
       problems.append(
         f"{meta}: `{key}`: shape {value.shape}, but `{model[name]}` has {tensors[name].shape}"

@@ -1,0 +1,121 @@
+"""A Megatron GPT under Hugging Face Llama's names: transformers and a Flax Llama give its logits.
+
+The fixtures (tests/fixtures/megatron_core) hold Megatron's own logits for fixed tokens at the
+saved step (`logits.npz`, gathered over TP by the fixture script). The Megatron run is read
+with `names="hf"` (`ucp convert ROOT DST --option names=hf`), written as a Hugging Face folder,
+and loaded by `from_pretrained`; and restored into `ucp_jax.models`' Flax Llama on a 2 x 4 mesh
+through the ready Hugging Face rule set.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import ucp_jax
+from ucp_jax import models, rules
+from ucp_jax.base._errors import InvalidArgumentError, SourceFormatError
+from ucp_jax.sources import _registry
+
+FIXTURES = Path(__file__).parent / "fixtures" / "megatron_core"
+FP32 = ["adam", "distopt_dp_reshardable"]  # bf16 runs compute their logits in bf16
+
+
+def whole(tensor) -> np.ndarray:
+  return np.concatenate([np.asarray(p).reshape(-1) for p in tensor.pieces()]).reshape(tensor.shape)
+
+
+def megatron_logits(variant: str) -> tuple[np.ndarray, np.ndarray]:
+  with np.load(FIXTURES / variant / "logits.npz") as data:
+    return data["tokens"], data["logits"][..., :60]  # the padded vocabulary's real rows
+
+
+@pytest.mark.parametrize("variant", ["distopt_dp_reshardable", "adam_bf16"])
+def test_hf_names_are_views_of_megatrons_rows(variant):
+  with np.load(FIXTURES / variant / "expected.npz") as data:
+    want = dict(data)
+  plan = _registry.describe(FIXTURES / variant, names="hf")
+  params = {p.name: p for p in plan.params}
+  assert len(params) == 3 + 2 * 9 and plan.source["config"]["num_key_value_heads"] == 2
+  master = "optimizer.state.{}.{}".format
+  value = "fp32_param" if variant == "adam_bf16" else "param"
+  for slot in (value, "exp_avg_sq"):
+    qkv = want[master(slot, "decoder.layers.self_attention.linear_qkv.weight")]
+    groups = qkv[1].reshape(2, 4 * 4, 16)  # layer 1: 2 groups of [2 q heads; k; v] x head_dim 4
+
+    def got(name: str, slot: str = slot) -> np.ndarray:
+      return whole(params[name].value if slot == value else params[name].slots[slot])
+
+    assert np.array_equal(
+      got("model.layers.1.self_attn.q_proj.weight"), groups[:, :8].reshape(16, 16)
+    )
+    assert np.array_equal(
+      got("model.layers.1.self_attn.k_proj.weight"), groups[:, 8:12].reshape(8, 16)
+    )
+    assert np.array_equal(
+      got("model.layers.1.self_attn.v_proj.weight"), groups[:, 12:].reshape(8, 16)
+    )
+    fc1 = want[master(slot, "decoder.layers.mlp.linear_fc1.weight")][0]
+    assert np.array_equal(got("model.layers.0.mlp.gate_proj.weight"), fc1[:24])
+    assert np.array_equal(got("model.layers.0.mlp.up_proj.weight"), fc1[24:])
+    embedding = want[master(slot, "embedding.word_embeddings.weight")]
+    assert np.array_equal(got("model.embed_tokens.weight"), embedding[:60])  # 4 padded rows off
+    norm = want[master(slot, "decoder.layers.mlp.linear_fc1.layer_norm_weight")][1]
+    assert np.array_equal(got("model.layers.1.post_attention_layernorm.weight"), norm)
+  assert params["model.norm.weight"].group == 1 and params["lm_head.weight"].group == 0
+
+
+@pytest.mark.parametrize("variant", FP32)
+def test_transformers_gives_megatrons_logits(tmp_path, variant):
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  done = subprocess.run(
+    [sys.executable, "-m", "ucp_jax.cli", "convert", str(FIXTURES / variant), str(tmp_path / "u"),
+     "--option", "names=hf"],
+    capture_output=True, text=True, timeout=600,
+  )  # fmt: skip
+  assert done.returncode == 0, done.stderr
+  ucp_jax.export(tmp_path / "u", tmp_path / "hf", format="hf")
+  config = json.loads((tmp_path / "hf" / "config.json").read_text())
+  assert config["model_type"] == "llama" and config["vocab_size"] == 60
+  model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+  tokens, want = megatron_logits(variant)
+  with torch.no_grad():
+    got = model(torch.from_numpy(tokens)).logits.numpy()
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+def test_a_flax_llama_on_a_2x4_mesh_gives_megatrons_logits(tmp_path, devices):
+  variant = "distopt_dp_reshardable"
+  ucp_jax.convert(FIXTURES / variant, tmp_path / "u", names="hf")
+  rs, cfg = rules.from_hf(tmp_path / "u")  # the config.json the view recorded
+  mesh = jax.make_mesh((2, 4), ("data", "model"), devices=devices)
+  model = rules.load_into(models.build(cfg, mesh=mesh, abstract=True), tmp_path / "u", rs)
+  kernel = model.layers[0].attn.q.kernel[...]
+  assert kernel.sharding.spec == jax.sharding.PartitionSpec("data", "model")
+  tokens, want = megatron_logits(variant)
+  got = np.asarray(model(jax.numpy.asarray(tokens)))
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+def test_a_model_that_is_not_llama_style_is_refused_naming_what_differs(monkeypatch):
+  from ucp_jax.sources.megatron import _folders
+
+  real = _folders.record_fields
+  monkeypatch.setattr(
+    _folders, "record_fields", lambda v: {**real(v), "swiglu": False, "add_bias_linear": True}
+  )
+  with pytest.raises(
+    SourceFormatError,
+    match=r"not read under Hugging Face Llama names: "
+    r"swiglu False \(Llama: True\); add_bias_linear True",
+  ):
+    _registry.describe(FIXTURES / "adam", names="hf")
+  with pytest.raises(InvalidArgumentError, match="names='flax'"):
+    _registry.describe(FIXTURES / "adam", names="flax")
