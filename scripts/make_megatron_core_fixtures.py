@@ -362,13 +362,17 @@ def load(ddp, optimizer, scheduler, root: str) -> int:
   iteration = int(Path(root, "latest_checkpointed_iteration.txt").read_text())
   folder = str(Path(root) / f"iter_{iteration:07d}")
   metadata = dict(dist_checkpointing.load_content_metadata(folder) or {})
+  with_optimizer = "distrib_optim_sharding_type" in metadata  # else weights alone
   metadata["dp_cp_group"] = ps.get_data_parallel_group(with_context_parallel=True)
   wanted = {"model": ddp.module.sharded_state_dict(metadata=metadata)}
-  wanted["optimizer"] = optimizer.sharded_state_dict(
-    wanted["model"], is_loading=True, metadata=metadata
-  )
+  if with_optimizer:
+    wanted["optimizer"] = optimizer.sharded_state_dict(
+      wanted["model"], is_loading=True, metadata=metadata
+    )
   state = dist_checkpointing.load(wanted, folder)
   ddp.module.load_state_dict(state["model"])
+  if not with_optimizer:
+    return iteration
   optimizer.load_state_dict(state["optimizer"])
   for inner in inners:
     for param_state in inner.optimizer.state.values():

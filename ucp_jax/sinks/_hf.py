@@ -72,7 +72,7 @@ class Options:
     shard_bytes(self.max_shard_size)
     _dtype(self.dtype)
     if self.config is not None and not isinstance(self.config, dict):
-      _read_config(self.config)
+      read_config(self.config)
 
 
 def export(
@@ -255,12 +255,12 @@ def _config(ckpt, config) -> dict | None:
   if isinstance(config, dict):
     return config
   if config is not None:
-    return _read_config(config)
+    return read_config(config)
   recorded = (ckpt.manifest.source or {}).get("config")
   return recorded if isinstance(recorded, dict) else None
 
 
-def _read_config(path: str | os.PathLike) -> dict:
+def read_config(path: str | os.PathLike) -> dict:
   path = os.fspath(path)
   if os.path.isdir(path):
     path = os.path.join(path, "config.json")

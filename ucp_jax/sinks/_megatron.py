@@ -8,9 +8,10 @@ dst/iter_0000100/metadata.json           {"sharded_backend": "torch_dist", ...}
 dst/ucp_export.json                      {"written_by": "ucp_jax", "format": "megatron", ...}
 ```
 
-The model goes under Megatron's sharded keys, as the checkpoint names them (a Megatron source:
-layers stacked, QKV by query group, SwiGLU's `[gate; up]`); no rule set maps other names to
-Megatron's yet. The optimizer is written in the distributed optimizer's `fully_reshardable`
+The model goes under Megatron's sharded keys (layers stacked, QKV by query group, SwiGLU's
+`[gate; up]`): as the checkpoint names them when it came from Megatron, else laid out from a
+Llama's Hugging Face names and config (`_megatron_layout.from_llama`: a Hugging Face folder,
+a DeepSpeed, DCP or torch checkpoint of a Llama, or a Flax Llama through `--rules hf`). The optimizer is written in the distributed optimizer's `fully_reshardable`
 form, the one megatron-core reshards onto any TP and DP size: `optimizer.state.param.KEY` (the
 fp32 master), `optimizer.state.exp_avg.KEY`, `optimizer.state.exp_avg_sq.KEY`, with the param
 groups (and their step) in the common state. The model tensors are the masters cast to the
@@ -35,13 +36,14 @@ import numpy as np
 
 from ucp_jax.base import _errors
 from ucp_jax.sinks import _folder, _resolved
+from ucp_jax.sinks import _megatron_layout as _layout
 from ucp_jax.sinks._dcp import RankFileWriter, import_torch
 from ucp_jax.sinks._registry import Destination, option
 from ucp_jax.sinks._report import ExportReport
 from ucp_jax.store import _checkpoint
 
 NAME = "megatron"
-TORCH_NAMES = False  # Megatron's own names, which no rule set makes yet
+TORCH_NAMES = True  # Megatron's names, or Llama's torch names (a rule set maps Flax names first)
 DESCRIPTION = (
   "a Megatron-LM root (iter_NNNNNNN, torch_dist) that megatron-core's dist_checkpointing.load "
   "reads onto any TP and DP size, model and distributed optimizer (fully_reshardable)"
@@ -50,7 +52,6 @@ TRACKER = "latest_checkpointed_iteration.txt"
 CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
 SHARDING = "fully_reshardable"
 DTYPES = ("float32", "bfloat16", "float16")
-MARKERS = ("decoder.layers.", "embedding.word_embeddings.weight", "decoder.final_layernorm.")
 
 
 def _dtype_or_none(value: Any) -> str | None:
@@ -70,6 +71,15 @@ class Options:
   iteration: int | None = option(
     None, "the iteration folder to write (default: the recorded iteration, else the step)"
   )
+  vocab_multiple: int = option(
+    128,
+    "from Hugging Face names: pad the vocabulary to a multiple of this (Megatron-LM's "
+    "make_vocab_size_divisible_by times the TP size it loads with)",
+  )
+  # `ucp export --config` is the command's own flag (as for the hf format)
+  config: str | os.PathLike | dict | None = option(
+    None, "from Hugging Face names: the Llama's config.json", flag=False
+  )
 
   def __post_init__(self) -> None:
     if self.dtype is not None and self.dtype not in DTYPES:
@@ -77,6 +87,9 @@ class Options:
     it = self.iteration
     if it is not None and (isinstance(it, bool) or not isinstance(it, int) or it < 0):
       raise _errors.InvalidArgumentError(f"iteration={it!r}: a number of iterations, 0 or more")
+    multiple = self.vocab_multiple
+    if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
+      raise _errors.InvalidArgumentError(f"vocab_multiple={multiple!r}: a positive number")
 
 
 def check_options(destination: Destination, options: Options | None = None) -> str:
@@ -105,20 +118,22 @@ def export(
   schema = ckpt.manifest.typed_schema
   state = _resolved.resolve(ckpt) if schema is not None and schema.optimizer else None
   weights = _resolved.weights(ckpt)
-  names = [p.name for p in weights.params]
-  if not any(n.startswith(MARKERS) for n in names):
+  if weights.buffers:
     raise _errors.MappingError(
-      f"{ckpt.location}: no Megatron parameter names (decoder.layers.*, "
-      "embedding.word_embeddings.weight): a Megatron export writes a checkpoint that came from "
-      "Megatron; no rule set maps other names to Megatron's yet"
-    )
-  if weights.tied or weights.buffers:
-    raise _errors.MappingError(
-      f"{ckpt.location}: tied parameters or buffers ({', '.join([*weights.tied, *(b.name for b in weights.buffers)])}), "
-      "which a Megatron checkpoint of a GPT model does not have"
+      f"{ckpt.location}: buffers ({', '.join(b.name for b in weights.buffers)}), which a "
+      "Megatron checkpoint of a GPT model does not have"
     )
   megatron = (schema.extra.get("megatron") if schema is not None else None) or {}
-  args = dict(megatron.get("args") or {})
+  names = [p.name for p in weights.params]
+  if _layout.is_megatron(names):
+    if weights.tied:
+      raise _errors.MappingError(f"{ckpt.location}: tied parameters ({', '.join(weights.tied)})")
+    tensors = _layout.as_saved(ckpt, weights, state)
+    args = dict(megatron.get("args") or {})
+    groups = [dict(g) for g in state.groups] if state is not None else None
+  else:
+    config = _llama_config(ckpt, options.config)
+    tensors, args, groups = _layout.from_llama(ckpt, weights, state, config, options.vocab_multiple)
   dtype = options.dtype or _params_dtype(args)
   iteration = options.iteration
   if iteration is None:
@@ -126,33 +141,27 @@ def export(
     iteration = recorded if isinstance(recorded, int) else (ckpt.step or 0)
   torch = import_torch()
   folder = f"iter_{iteration:07d}"
-  total = sum(ckpt[key].nbytes for key in _keys(weights, state))
+  total = sum(t.nbytes for t in tensors)
   progress = destination.progress
   written = 0
   with _folder.staged(dst) as staging:
     os.mkdir(os.path.join(staging, folder))
     writer = RankFileWriter(torch, os.path.join(staging, folder), ["__0_0.distcp"])
     try:
-      for p in weights.params:
-        master = np.ascontiguousarray(ckpt.read(p.value))
-        writer.tensor(p.name, _cast(master, dtype), (p.name,))
-        if state is not None:
-          flat = f"optimizer.state.param.{p.name}"
-          writer.tensor(flat, _cast(master, "float32"), (flat,))
-        written += master.nbytes
+      for t in tensors:
+        master = np.ascontiguousarray(t.read("value"))
+        writer.tensor(t.name, _cast(master, dtype), (t.name,))
+        arrays = {"param": master} if state is not None else {}
+        arrays.update((slot, t.read(slot)) for slot in (t.slots if state is not None else ()))
+        for kind, array in arrays.items():
+          flat = f"optimizer.state.{kind}.{t.name}"
+          writer.tensor(flat, np.ascontiguousarray(array, dtype=np.float32), (flat,))
+        written += t.nbytes
         if progress is not None:
-          progress(p.value, master.nbytes, total)
-      for p in state.trainable if state is not None else ():
-        for slot, key in p.slots.items():
-          array = np.ascontiguousarray(ckpt.read(key), dtype=np.float32)
-          flat = f"optimizer.state.{slot}.{p.name}"
-          writer.tensor(flat, array, (flat,))
-          written += array.nbytes
-          if progress is not None:
-            progress(key, array.nbytes, total)
-      for key in _extra_state_keys(names, weights, ckpt, megatron):
+          progress(t.name, t.nbytes, total)
+      for key in _extra_state_keys(tensors, megatron):
         writer.object(key, [None], (key,))
-      common = _common(megatron, args, dtype, iteration, state)
+      common = _common(megatron, args, dtype, iteration, state, groups)
       writer.object("common_state/shard_0_1", [common], ("common_state/shard_0_1",))
     finally:
       writer.close()
@@ -168,27 +177,49 @@ def export(
     notes.append("not written: TransformerEngine's FP8 scaling state (_extra_state)")
   if megatron.get("not_carried"):
     notes.append("not written: the per-rank RNG states (resume Megatron-LM with --no-load-rng)")
+  if not _layout.is_megatron(names):
+    notes.append(
+      f"laid out as Megatron's Llama-style GPT from Hugging Face names; vocabulary padded to "
+      f"{args['padded_vocab_size']} rows (a multiple of {options.vocab_multiple})"
+    )
   return ExportReport(
     path=dst,
     tag=folder,
     zero_stages=(),
-    params=len(weights.params),
+    params=len(tensors),
     frozen=weights.frozen,
     buffers=(),
-    tied={},
+    tied=dict(weights.tied),
     step=state.step if state is not None else ckpt.step,
     nbytes=written,
     seconds=time.perf_counter() - start,
     notes=tuple(notes),
     format=NAME,
     summary=(
-      f"Megatron-LM root, {folder}: {len(weights.params)} params in {dtype}"
+      f"Megatron-LM root, {folder}: {len(tensors)} params in {dtype}"
       + (f" with the fp32 masters, {', '.join(state.slot_names)} ({SHARDING})" if state else "")
     ),
   )
 
 
-def _extra_state_keys(names, weights, ckpt, megatron: dict) -> list[str]:
+def _llama_config(ckpt: _checkpoint.Checkpoint, config: str | os.PathLike | dict | None) -> dict:
+  """The Llama config.json: `config`, or the one the checkpoint recorded from its source."""
+  if isinstance(config, dict):
+    return config
+  if config is not None:
+    from ucp_jax.sinks import _hf
+
+    return _hf.read_config(config)
+  recorded = (ckpt.manifest.source or {}).get("config")
+  if not isinstance(recorded, dict):
+    raise _errors.MappingError(
+      f"{ckpt.location}: no Megatron names, and no Hugging Face config.json recorded: a Llama "
+      "under Hugging Face names is laid out as Megatron's GPT from its config (pass --config)"
+    )
+  return recorded
+
+
+def _extra_state_keys(tensors: list[_layout.MegatronTensor], megatron: dict) -> list[str]:
   """The `_extra_state` objects megatron-core loads for each layer's linear modules.
 
   They hold TransformerEngine's FP8 scaling state; megatron-core asks for one per layer and
@@ -196,19 +227,13 @@ def _extra_state_keys(names, weights, ckpt, megatron: dict) -> list[str]:
   They are written as None: a TE run starts its FP8 scaling history afresh.
   """
   keys = set(megatron.get("extra_state") or {})
-  for p in weights.params:
-    module, _, leaf = p.name.rpartition(".")
+  for t in tensors:
+    module, _, leaf = t.name.rpartition(".")
     if leaf == "weight" and module.startswith("decoder.layers.") and ".linear_" in module:
-      layers = ckpt[p.value].shape[0]
-      keys.update(f"{module}._extra_state/shard_{layer}_{layers}" for layer in range(layers))
+      keys.update(
+        f"{module}._extra_state/shard_{layer}_{t.shape[0]}" for layer in range(t.shape[0])
+      )
   return sorted(keys)
-
-
-def _keys(weights: _resolved.ResolvedWeights, state: _resolved.ResolvedState | None) -> list[str]:
-  keys = [p.value for p in weights.params]
-  for p in state.trainable if state is not None else ():
-    keys += list(p.slots.values())
-  return keys
 
 
 def _params_dtype(args: dict) -> str:
@@ -229,7 +254,12 @@ def _cast(array: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def _common(
-  megatron: dict, args: dict, dtype: str, iteration: int, state: _resolved.ResolvedState | None
+  megatron: dict,
+  args: dict,
+  dtype: str,
+  iteration: int,
+  state: _resolved.ResolvedState | None,
+  groups: list[dict] | None,
 ) -> dict:
   """The common state megatron-core saves beside the tensors (Megatron-LM's layout)."""
   content: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
@@ -248,9 +278,8 @@ def _common(
     content["distrib_optim_fully_reshardable_mem_efficient"] = False
     fields["use_distributed_optimizer"] = True
     fields["dist_ckpt_optim_fully_reshardable"] = True
-    groups = [_group(hyper, state.step) for hyper in state.groups]
     common["optimizer"] = {
-      "optimizer": {"param_groups": groups},
+      "optimizer": {"param_groups": [_group(hyper, state.step) for hyper in groups or []]},
       "param_state_sharding_type": SHARDING,
     }
     common["args"] = argparse.Namespace(**fields)
