@@ -193,3 +193,58 @@ def test_megatron_runs_a_transformers_llama_with_its_logits(tmp_path):
   with torch.no_grad():
     hf = model(torch.from_numpy(tokens)).logits.numpy()
   np.testing.assert_allclose(megatron, hf, atol=1e-5, rtol=0)
+
+
+# --- a Megatron run trains on in JAX ---
+
+
+def test_a_megatron_run_trains_on_in_jax_on_a_2x4_mesh_with_megatrons_losses(tmp_path, devices):
+  """TP 2 x DP 2 Megatron (dp_reshardable) -> HF names, padded vocabulary kept -> a Flax Llama
+  and masked optax.adamw on 2 x 4, Megatron's cosine schedule, restored with the moments and
+  step -> the next two losses of the uninterrupted Megatron run (DP rank 0's), within 1e-5."""
+  pytest.importorskip("torch")  # the fixture script draws its batches with torch
+  import math
+
+  import jax.numpy as jnp
+  import make_megatron_core_fixtures as fx
+  import optax
+  from flax import nnx
+
+  variant = "distopt_dp_reshardable"
+  ucp_jax.convert(FIXTURES / variant, tmp_path / "u", names="hf", padded_vocab=True)
+  rs, cfg = rules.from_hf(tmp_path / "u")
+  assert cfg.vocab_size == 64  # Megatron's softmax spans the padded rows
+  mesh = jax.make_mesh((2, 4), ("data", "model"), devices=devices)
+  model = models.build(cfg, mesh=mesh, rngs=nnx.Rngs(0))
+  top, bottom, warmup, decay = fx.LR, fx.LR / 10, 1, 10  # Megatron's OptimizerParamScheduler
+
+  def cosine(count):
+    return bottom + 0.5 * (jnp.cos(jnp.pi * (count - warmup) / (decay - warmup)) + 1) * (
+      top - bottom
+    )
+
+  assert math.isclose(float(cosine(2)), 0.00972861679353659, rel_tol=1e-6)  # the saved lr
+  decays = lambda params: jax.tree.map(lambda x: x.ndim > 1, params)  # noqa: E731  (not norms)
+  tx = optax.adamw(cosine, b1=fx.BETAS[0], b2=fx.BETAS[1], eps=fx.EPS,
+                   weight_decay=fx.WEIGHT_DECAY, mask=decays)  # fmt: skip
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  ucp_jax.restore_train_state(tmp_path / "u", model, optimizer, rules=rs)
+
+  @nnx.jit
+  def step(model, optimizer, tokens):
+    def loss(m):  # the fixtures' loss: each position labelled with its own token
+      per_token = optax.softmax_cross_entropy_with_integer_labels(m(tokens), tokens)
+      return per_token.mean(), per_token[:2].mean()  # the global mean; DP rank 0's rows
+
+    (_, rank0), grads = nnx.value_and_grad(loss, has_aux=True)(model)
+    optimizer.update(model, grads)
+    return rank0
+
+  batches = [fx.batches(rank, fx.ITERATION + fx.CONTINUED) for rank in range(fx.DP)]
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  losses = []
+  for i in range(fx.ITERATION, fx.ITERATION + fx.CONTINUED):
+    tokens = np.concatenate([batches[rank][i].numpy() for rank in range(fx.DP)])
+    losses.append(float(step(model, optimizer, jax.device_put(tokens.astype(np.int32), rows))))
+  want = json.loads((FIXTURES / variant / "info.json").read_text())["continued_losses"]
+  np.testing.assert_allclose(losses, want, rtol=1e-5)

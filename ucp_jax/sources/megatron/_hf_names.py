@@ -50,14 +50,24 @@ Segments = list[tuple[int, int, int]]  # (source row, rows, target row)
 
 
 def params(
-  arrays: dict[str, dict[str, Readable]], groups: dict[str, int | None], args: dict, where: str
+  arrays: dict[str, dict[str, Readable]],
+  groups: dict[str, int | None],
+  args: dict,
+  where: str,
+  padded_vocab: bool = False,
 ) -> tuple[list[SourceParam], dict]:
   """The parameters (value and slots per name) under Hugging Face names, and `config.json`.
+
+  With `padded_vocab`, the vocabulary keeps Megatron's padded rows (and the config says so):
+  what training on needs to compute Megatron's loss exactly, whose softmax spans them.
 
   Raises:
     SourceFormatError: a model that is not a Llama-style GPT (what differs is listed).
   """
   config = llama_config(args, where)
+  if padded_vocab:
+    rows = arrays.get("embedding.word_embeddings.weight", {}).get("value")
+    config["vocab_size"] = rows.shape[0] if rows is not None else config["vocab_size"]
   heads, groups_kv = config["num_attention_heads"], config["num_key_value_heads"]
   head_dim, ffn, vocab = config["head_dim"], config["intermediate_size"], config["vocab_size"]
   per_group = heads // groups_kv

@@ -63,7 +63,9 @@ def sniff_weak(path: str) -> bool:
   return False
 
 
-def describe(path: str, iteration: int | str | None = None, names: str = "megatron") -> Plan:
+def describe(
+  path: str, iteration: int | str | None = None, names: str = "megatron", padded_vocab: bool = False
+) -> Plan:
   """The model, its optimizer slots and the common state of one iteration; data stays put.
 
   Args:
@@ -71,6 +73,8 @@ def describe(path: str, iteration: int | str | None = None, names: str = "megatr
     iteration: under a root, the iteration to read instead (a number, or "release").
     names: "megatron" (the checkpoint's own names and layouts), or "hf": a Llama-style GPT
       under Hugging Face Llama's names and layouts (`_hf_names`), with its `config.json`.
+    padded_vocab: with `names="hf"`, keep the vocabulary's padded rows (training on then
+      computes Megatron's loss exactly; its softmax spans them).
 
   Raises:
     SourceFormatError: not a checkpoint this reads (every problem listed, file and key), or a
@@ -126,7 +130,7 @@ def describe(path: str, iteration: int | str | None = None, names: str = "megatr
   if names == "hf":
     arrays = {n: {"value": masters.get(n, tensors[n]), **slots.get(n, {})} for n in model}
     groups = {n: group_of.get(n) for n in model} if has_optimizer else {}
-    params, config = _hf_names.params(arrays, groups, args, meta)
+    params, config = _hf_names.params(arrays, groups, args, meta, padded_vocab)
     return Plan(
       params=params,
       optimizer=optimizer,
