@@ -177,6 +177,11 @@ def export(
     notes.append("not written: TransformerEngine's FP8 scaling state (_extra_state)")
   if megatron.get("not_carried"):
     notes.append("not written: the per-rank RNG states (resume Megatron-LM with --no-load-rng)")
+  if state is not None and not isinstance(megatron.get("opt_param_scheduler"), dict):
+    notes.append(
+      "the learning-rate schedule is written constant at the source's lr (it recorded no "
+      "Megatron schedule): resume Megatron-LM with --override-opt_param-scheduler for yours"
+    )
   if not _layout.is_megatron(names):
     notes.append(
       f"laid out as Megatron's Llama-style GPT from Hugging Face names; vocabulary padded to "
@@ -273,6 +278,8 @@ def _common(
   }
   if isinstance(megatron.get("opt_param_scheduler"), dict):
     common["opt_param_scheduler"] = megatron["opt_param_scheduler"]
+  elif state is not None:  # Megatron-LM's load reads one: the source's lr, held constant
+    common["opt_param_scheduler"] = constant_schedule(groups or [{}], state.step)
   if state is not None:
     content["distrib_optim_sharding_type"] = SHARDING
     content["distrib_optim_fully_reshardable_mem_efficient"] = False
@@ -285,6 +292,26 @@ def _common(
     common["args"] = argparse.Namespace(**fields)
   common["content_metadata"] = content
   return common
+
+
+def constant_schedule(groups: list[dict], step: int) -> dict:
+  """An `OptimizerParamScheduler` state at `step` that holds the first group's learning rate
+  and weight decay, for a source that recorded no Megatron schedule (Megatron-LM's
+  `--override-opt_param-scheduler` puts the run's own in its place)."""
+  lr = float(groups[0].get("lr", 0.0))
+  wd = float(groups[0].get("weight_decay", 0.0))
+  return {
+    "max_lr": lr,
+    "min_lr": lr,
+    "lr_warmup_steps": 0,
+    "num_steps": step,
+    "lr_decay_style": "constant",
+    "lr_decay_steps": max(1, step),
+    "start_wd": wd,
+    "end_wd": wd,
+    "wd_incr_style": "constant",
+    "wd_incr_steps": max(1, step),
+  }
 
 
 def _group(hyper: dict, step: int) -> dict:
