@@ -95,8 +95,16 @@ def test_a_second_export_replaces_the_first_and_nothing_else(tmp_path):
 
 def test_a_checkpoint_without_megatron_names_is_refused(tmp_path):
   fsdp2 = Path(__file__).parent / "fixtures" / "dcp" / "fsdp2_adamw"  # torch names (h.0.mlp...)
-  with pytest.raises(MappingError, match="no Megatron parameter names"):
+  with pytest.raises(MappingError, match=r"no Megatron names, and no Hugging Face config\.json"):
     ucp_jax.export(fsdp2, tmp_path / "out", format="megatron")
+  gpt2 = {"model_type": "gpt2", "n_layer": 2}
+  with pytest.raises(MappingError, match="the config is not a Llama's: model_type 'gpt2'"):
+    ucp_jax.export(fsdp2, tmp_path / "out", format="megatron", config=gpt2)
+  llama = {"model_type": "llama", "num_attention_heads": 4, "num_hidden_layers": 2,
+           "vocab_size": 60, "hidden_size": 16, "intermediate_size": 24}  # fmt: skip
+  refusal = r"not a Llama that Megatron's GPT holds: `wte\.weight` has no Megatron counterpart;"
+  with pytest.raises(MappingError, match=refusal + r".* and \d+ more"):
+    ucp_jax.export(fsdp2, tmp_path / "out", format="megatron", config=llama)
   assert not (tmp_path / "out").exists()
   with pytest.raises(InvalidArgumentError, match="dtype='int8': one of float32"):
     ucp_jax.export(FIXTURES / "adam", tmp_path / "out", format="megatron", dtype="int8")

@@ -136,8 +136,9 @@ def from_llama(
   if extra:
     problems.append(f"layer parameters with no Megatron counterpart: {', '.join(extra)}")
   if problems:
+    more = f"; and {len(problems) - 8} more" if len(problems) > 8 else ""
     raise _errors.MappingError(
-      f"{where}: not a Llama that Megatron's GPT holds: " + "; ".join(problems[:8])
+      f"{where}: not a Llama that Megatron's GPT holds: " + "; ".join(problems[:8]) + more
     )
   if state is not None:  # Megatron-LM's own grouping, which its optimizer loads by
     out = [dataclasses.replace(t, group=group_of(t.name, t.shape)) for t in out]
