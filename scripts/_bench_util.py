@@ -16,6 +16,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -270,3 +271,52 @@ def verdict(value: float | None, target: float, higher_is_better: bool = True) -
     return "n/a"
   ok = value >= target if higher_is_better else value <= target
   return "PASS" if ok else "FAIL"
+
+
+# ---------------------------------------------------------------------------------------------
+# Contenders' rounds, gathered and compared
+
+
+def gather_rounds(rounds: Iterator[tuple[str, dict]], phase: str) -> dict[str, dict]:
+  """Each contender's timed tries of `phase`, its largest peak RSS, its errors and the rest
+  of its last run (`worker_rounds`' output)."""
+  results: dict[str, dict] = {}
+  for name, run in rounds:
+    kept = results.setdefault(name, {"tries": [], "peak_delta": 0, "errors": []})
+    if "error" in run:
+      kept["errors"].append(run["error"])
+      continue
+    stats = run["phases"][phase]
+    kept["tries"] += stats["tries"]
+    kept["peak_delta"] = max(kept["peak_delta"], stats["peak_delta"])
+    kept["errors"] += run.get("errors", [])
+    kept["last"] = run
+  return results
+
+
+def timing_rows(results: dict[str, dict], nbytes: int) -> list[list[str]]:
+  """Table rows: contender, median, range (tries), GB/s, peak RSS, ok or FAILED."""
+  rows = []
+  for name, r in results.items():
+    tries = r["tries"]
+    med = statistics.median(tries) if tries else None
+    spread = f"{min(tries):.3f}-{max(tries):.3f} ({len(tries)})" if tries else "-"
+    rows.append([name, fmt(med, ".3f"), spread, fmt(gbps(nbytes, med)), mib(r["peak_delta"]),
+                 "FAILED" if r["errors"] else "ok"])  # fmt: skip
+  return rows
+
+
+def ratios(results: dict[str, dict], pairs: Sequence[tuple[str, str]]) -> dict[str, dict]:
+  """For each (ours, peer) both ran: the median speedup and the peak-RSS ratio, printed."""
+  out = {}
+  for mine, peer in pairs:
+    ours, other = results.get(mine, {}).get("tries"), results.get(peer, {}).get("tries")
+    if ours and other:
+      ratio = statistics.median(other) / statistics.median(ours)
+      memory = results[mine]["peak_delta"] / max(1, results[peer]["peak_delta"])
+      out[f"{mine}/{peer}"] = {"speedup": ratio, "peak_ratio": memory}
+      print(f"{mine} vs {peer}: {ratio:.2f}x faster (median), peak RSS {memory:.2f}x of theirs")
+  for name, r in results.items():
+    for e in r["errors"]:
+      print(f"ERROR {name}: {e}")
+  return out

@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import zlib
@@ -44,6 +43,8 @@ if _FLAG not in os.environ.get("XLA_FLAGS", ""):
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench_util as bu  # noqa: E402
+
+from ucp_jax.sinks._folder import sync_file  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SIZES = {
@@ -152,14 +153,6 @@ def worker(args) -> int:
   return 0
 
 
-def _fsync(path: str) -> None:
-  fd = os.open(path, os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
-
-
 def _converter(name: str, root: str, folder: str, target: str):
   def clear():
     shutil.rmtree(target, ignore_errors=True)
@@ -180,7 +173,7 @@ def _converter(name: str, root: str, folder: str, target: str):
     def run():
       clear()
       dcp_to_torch_save(folder, target + ".pt")
-      _fsync(target + ".pt")
+      sync_file(target + ".pt")
 
     return run
   import warnings
@@ -208,7 +201,7 @@ def _converter(name: str, root: str, folder: str, target: str):
     ddp, optimizer, _ = model
     state = {"model": ddp.module.state_dict(), "optimizer": optimizer.state_dict()}
     torch.save(state, target + ".pt")
-    _fsync(target + ".pt")
+    sync_file(target + ".pt")
 
   return run
 
@@ -233,44 +226,19 @@ def main(argv=None) -> int:
     nbytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
     common = ["--dir", args.dir, "--repeat", str(args.repeat), "--variant", args.variant]
     common += ["--sizes", json.dumps(args.sizes)]
-    results: dict[str, dict] = {}
-    for name, run in bu.worker_rounds(os.path.abspath(__file__), names, common, args.rounds):
-      kept = results.setdefault(name, {"tries": [], "peak_delta": 0, "errors": [], "crcs": None})
-      if "error" in run:
-        kept["errors"].append(run["error"])
-        continue
-      stats = run["phases"]["run"]
-      kept["tries"] += stats["tries"]
-      kept["peak_delta"] = max(kept["peak_delta"], stats["peak_delta"])
-      kept["crcs"] = run.get("crcs")
-  restored = [r["crcs"] for n, r in results.items() if r.get("crcs") is not None]
+    rounds = bu.worker_rounds(os.path.abspath(__file__), names, common, args.rounds)
+    results = bu.gather_rounds(rounds, "run")
+  restored = [r["last"]["crcs"] for r in results.values() if "crcs" in r.get("last", {})]
   agree = all(c == restored[0] for c in restored)
-  rows = []
-  for name, r in results.items():
-    med = statistics.median(r["tries"]) if r["tries"] else None
-    spread = (
-      f"{min(r['tries']):.3f}-{max(r['tries']):.3f} ({len(r['tries'])})" if r["tries"] else "-"
-    )
-    rows.append([name, bu.fmt(med, ".3f"), spread, bu.fmt(bu.gbps(nbytes, med)),
-                 bu.mib(r["peak_delta"]), "FAILED" if r["errors"] else "ok"])  # fmt: skip
   print()
   print(f"Megatron-LM root of {nbytes / bu.MiB:.0f} MiB ({args.variant}, {json.dumps(args.sizes)})")
   print(bu.table(["contender", "median s", "range s (tries)", "GB/s", "peak RSS +MiB", "ran"],
-                 rows, align="lrrrrl"))  # fmt: skip
+                 bu.timing_rows(results, nbytes), align="lrrrrl"))  # fmt: skip
   print(f"restores agree (crc32 of every array): {agree}")
-  summary = {"bytes": nbytes, "results": results, "ratios": {}, "restores_agree": agree}
   pairs = (("ucp_convert", "dcp_torch_save"), ("ucp_convert", "megatron_save"),
            ("ucp_restore", "dcp_load_put"))  # fmt: skip
-  for mine, peer in pairs:
-    ours, other = results.get(mine, {}).get("tries"), results.get(peer, {}).get("tries")
-    if ours and other:
-      ratio = statistics.median(other) / statistics.median(ours)
-      memory = results[mine]["peak_delta"] / max(1, results[peer]["peak_delta"])
-      summary["ratios"][f"{mine}/{peer}"] = {"speedup": ratio, "peak_ratio": memory}
-      print(f"{mine} vs {peer}: {ratio:.2f}x faster (median), peak RSS {memory:.2f}x of theirs")
-  for name, r in results.items():
-    for e in r["errors"]:
-      print(f"ERROR {name}: {e}")
+  summary = {"bytes": nbytes, "results": results, "restores_agree": agree}
+  summary["ratios"] = bu.ratios(results, pairs)
   if args.json:
     bu.write_result(args.json, summary)
   return 1 if any(r["errors"] for r in results.values()) or not agree else 0

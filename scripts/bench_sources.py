@@ -43,7 +43,6 @@ import json
 import math
 import os
 import shutil
-import statistics
 import sys
 import zlib
 
@@ -269,34 +268,10 @@ def main(argv=None) -> int:
     if args.dcp:
       write_dcp(os.path.join(args.dir, "dcp"), info, args.seed)
     common = ["--dir", args.dir, "--repeat", str(args.repeat)]
-    results: dict[str, dict] = {}
     names = CONTENDERS + (DCP_CONTENDERS if args.dcp else ())
-    for name, run in bu.worker_rounds(os.path.abspath(__file__), names, common, args.rounds):
-      kept = results.setdefault(name, {"tries": [], "peak_delta": 0, "errors": []})
-      if "error" in run:
-        kept["errors"].append(run["error"])
-        continue
-      stats = run["phases"]["restore"]
-      kept["tries"] += stats["tries"]
-      kept["peak_delta"] = max(kept["peak_delta"], stats["peak_delta"])
-      kept["errors"] += run["errors"]
+    rounds = bu.worker_rounds(os.path.abspath(__file__), names, common, args.rounds)
+    results = bu.gather_rounds(rounds, "restore")
   nbytes = info["bytes"]
-  rows = []
-  for name, r in results.items():
-    med = statistics.median(r["tries"]) if r["tries"] else None
-    spread = (
-      f"{min(r['tries']):.3f}-{max(r['tries']):.3f} ({len(r['tries'])})" if r["tries"] else "-"
-    )
-    rows.append(
-      [
-        name,
-        bu.fmt(med, ".3f"),
-        spread,
-        bu.fmt(bu.gbps(nbytes, med)),
-        bu.mib(r["peak_delta"]),
-        "ok" if not r["errors"] else "FAILED",
-      ]
-    )
   print()
   print(
     f"{len(info['crcs'])} x {info['shape']} float32 = {nbytes / bu.MiB:.0f} MiB in {len(info['files'])} safetensors shards, onto 8 CPU devices"
@@ -304,26 +279,17 @@ def main(argv=None) -> int:
   print(
     bu.table(
       ["contender", "median s", "range s (tries)", "GB/s", "peak RSS +MiB", "verified"],
-      rows,
+      bu.timing_rows(results, nbytes),
       align="lrrrrl",
     )
   )
-  summary = {"bytes": nbytes, "results": results, "ratios": {}}
-  for mine, peer in (
+  pairs = (
     ("ucp", "load_put"),
     ("ucp", "slices_put"),
     ("dcp_ucp", "dcp_load_put"),
     ("dcp_convert", "dcp_torch_save"),
-  ):
-    ours, other = results.get(mine, {}).get("tries"), results.get(peer, {}).get("tries")
-    if ours and other:
-      ratio = statistics.median(other) / statistics.median(ours)
-      memory = results[mine]["peak_delta"] / max(1, results[peer]["peak_delta"])
-      summary["ratios"][f"{mine}/{peer}"] = {"speedup": ratio, "peak_ratio": memory}
-      print(f"{mine} vs {peer}: {ratio:.2f}x faster (median), peak RSS {memory:.2f}x of theirs")
-  for name, r in results.items():
-    for e in r["errors"]:
-      print(f"ERROR {name}: {e}")
+  )
+  summary = {"bytes": nbytes, "results": results, "ratios": bu.ratios(results, pairs)}
   if args.json:
     bu.write_result(args.json, summary)
   return 1 if any(r["errors"] for r in results.values()) else 0

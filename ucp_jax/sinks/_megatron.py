@@ -124,8 +124,8 @@ def export(
       "Megatron checkpoint of a GPT model does not have"
     )
   megatron = (schema.extra.get("megatron") if schema is not None else None) or {}
-  names = [p.name for p in weights.params]
-  if _layout.is_megatron(names):
+  as_saved = _layout.is_megatron([p.name for p in weights.params])
+  if as_saved:
     if weights.tied:
       raise _errors.MappingError(f"{ckpt.location}: tied parameters ({', '.join(weights.tied)})")
     tensors = _layout.as_saved(ckpt, weights, state)
@@ -182,7 +182,7 @@ def export(
       "the learning-rate schedule is written constant at the source's lr (it recorded no "
       "Megatron schedule): resume Megatron-LM with --override-opt_param-scheduler for yours"
     )
-  if not _layout.is_megatron(names):
+  if not as_saved:
     notes.append(
       f"laid out as Megatron's Llama-style GPT from Hugging Face names; vocabulary padded to "
       f"{args['padded_vocab_size']} rows (a multiple of {options.vocab_multiple})"

@@ -93,6 +93,11 @@ def rebuild(layout: Layout, files, model: dict, tensors: dict, args: dict, meta:
   order = _parameter_order(list(model), tensors, meta)
   sizes = {d: _bucket_sizes(layout, files, d, meta) for d in domains}
   places = {d: _walk(order, layout, model, d, tp, sizes[d], meta) for d in domains}
+  held: dict[str, list] = {name: [] for name in model}  # a replicated one: domain 0's copy
+  for domain, by_param in places.items():
+    for (name, _), place in by_param.items():
+      if domain == 0 or not place.replicated:
+        held[name].append((domain, place))
   states = sorted({s for _, _, s in buckets})
   per_state: dict[str, dict[str, Readable]] = {}
   for state in states:
@@ -100,7 +105,7 @@ def rebuild(layout: Layout, files, model: dict, tensors: dict, args: dict, meta:
       dtype = buckets[(0, 0, state)].dtype
       where = f"{meta}: `{PREFIX}*.{state}` of `{key}`"
       per_state.setdefault(state, {})[name] = _lazy(
-        name, tensors[name].shape, dtype, places, buckets, state, where
+        tensors[name].shape, dtype, held[name], buckets, state, where
       )
   masters = per_state.pop(MASTER, {})
   slots: dict[str, dict[str, Readable]] = {}
@@ -248,28 +253,23 @@ def _local(entry: TensorEntry, layer: int | None, domain: int, tp: int, meta: st
   return local_shape, tuple(pieces), False
 
 
-def _lazy(name, shape, dtype, places, buckets, state, where) -> Readable:
-  """A parameter's `state`, read from the domains' buckets by region."""
-  entries = [
-    (domain, place)
-    for domain, by_param in places.items()
-    for (param, _), place in by_param.items()
-    if param == name
-  ]
+def _lazy(shape, dtype, entries: list, buckets, state, where) -> Readable:
+  """A parameter's `state`, read by region from the `(domain, place)`s that hold it: each
+  place's run of its bucket read once, when some piece of it lies in the region."""
 
   def read(region: tuple[slice, ...], out: np.ndarray) -> None:
     covered = 0
     for domain, place in entries:
-      if place.replicated and domain:
-        continue
+      local = None
       for global_box, local_box in place.pieces:
         overlap = [
           slice(max(g.start, r.start), min(g.stop, r.stop)) for g, r in zip(global_box, region)
         ]
         if any(o.start >= o.stop for o in overlap):
           continue
-        span = slice(place.start, place.start + math.prod(place.local_shape))
-        local = buckets[(domain, place.bucket, state)].read((span,)).reshape(place.local_shape)
+        if local is None:
+          span = slice(place.start, place.start + math.prod(place.local_shape))
+          local = buckets[(domain, place.bucket, state)].read((span,)).reshape(place.local_shape)
         lead = len(global_box) - len(local_box)
         source = tuple(
           slice(o.start - g.start + lb.start, o.stop - g.start + lb.start)

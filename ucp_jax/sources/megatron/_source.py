@@ -124,37 +124,29 @@ def describe(
   members = _group_members(model, tensors, groups_state, common_where) if has_optimizer else []
   group_of = {name: g for g, names in enumerate(members) for name in names}
   step = _step(optimizer_state, groups_state)
-  extra = {"megatron": _extra(common, layout, files, sharding, args)}
+  extra = _extra(common, layout, files, sharding, args)
   source = _source(path, folder, layout, common)
-  optimizer = _optimizer(groups_state, step) if has_optimizer else None
   if names == "hf":
     arrays = {n: {"value": masters.get(n, tensors[n]), **slots.get(n, {})} for n in model}
     groups = {n: group_of.get(n) for n in model} if has_optimizer else {}
     params, config = _hf_names.params(arrays, groups, args, meta, padded_vocab)
-    return Plan(
-      params=params,
-      optimizer=optimizer,
-      extra={"megatron": {**extra["megatron"], "names": "hf"}},
-      source={**source, "config": config},
-      step=_schema.integer_or_none(common.get("iteration")),
-      path=folder,
-      format=NAME,
-    )
-  params = [
-    SourceParam(
-      name,
-      masters.get(name, tensors[name]).tensor(),
-      slots={slot: value.tensor() for slot, value in slots.get(name, {}).items()},
-      group=group_of.get(name) if has_optimizer else None,
-      pattern=_pattern(entries[name], name, args),
-      shard_shape=_chunks.shard_shape(entries[name]),
-    )
-    for name in model
-  ]
+    extra, source = {**extra, "names": "hf"}, {**source, "config": config}
+  else:
+    params = [
+      SourceParam(
+        name,
+        masters.get(name, tensors[name]).tensor(),
+        slots={slot: value.tensor() for slot, value in slots.get(name, {}).items()},
+        group=group_of.get(name) if has_optimizer else None,
+        pattern=_pattern(entries[name], name, args),
+        shard_shape=_chunks.shard_shape(entries[name]),
+      )
+      for name in model
+    ]
   return Plan(
     params=params,
-    optimizer=optimizer,
-    extra=extra,
+    optimizer=_optimizer(groups_state, step) if has_optimizer else None,
+    extra={"megatron": extra},
     source=source,
     step=_schema.integer_or_none(common.get("iteration")),
     path=folder,
