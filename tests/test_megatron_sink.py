@@ -155,3 +155,26 @@ def test_megatron_loads_a_bf16_run_on_one_rank(tmp_path):
   for key, value in want.items():
     assert np.array_equal(got["state"][key], value), key
   assert all(np.isfinite(got["losses"]))
+
+
+@pytest.mark.parametrize("interruption", [OSError("disk full"), KeyboardInterrupt()])
+def test_an_export_cut_short_leaves_the_previous_one(tmp_path, monkeypatch, interruption):
+  """A failing write or Ctrl-C in the middle: the earlier export is untouched, nothing staged."""
+  from ucp_jax.sinks import _dcp
+
+  ucp_jax.export(FIXTURES / "adam", tmp_path / "run", format="megatron")
+  before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+  real = _dcp.RankFileWriter.tensor
+  calls = []
+
+  def tensor(self, flat, array, path):
+    calls.append(flat)
+    if len(calls) == 5:
+      raise interruption
+    return real(self, flat, array, path)
+
+  monkeypatch.setattr(_dcp.RankFileWriter, "tensor", tensor)
+  with pytest.raises(type(interruption)):
+    ucp_jax.export(FIXTURES / "adam", tmp_path / "run", format="megatron", overwrite=True)
+  assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+  assert _registry.describe(tmp_path / "run").step == 2

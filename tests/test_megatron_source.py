@@ -347,3 +347,23 @@ def test_nemo_2_module_prefixed_keys_read_under_megatrons_names(tmp_path):
     assert np.array_equal(
       whole(p.slots["exp_avg_sq"]), want[f"optimizer.state.exp_avg_sq.{p.name}"]
     )
+
+
+# --- on an object store ---
+
+
+def test_a_megatron_lm_root_on_an_object_store_reads_as_on_disk(tmp_path):
+  from ucp_jax.store import _location
+
+  url = "memory://ucp_megatron_remote/run"
+  store = _location.kvstore(_location.resolve(url + "/"))
+  for path in DP_RESHARDABLE.rglob("*"):
+    if path.is_file() and path.name not in ("expected.npz", "logits.npz", "info.json"):
+      store.write(str(path.relative_to(DP_RESHARDABLE)), path.read_bytes()).result()
+  remote = _registry.describe(url)
+  assert remote.format == "megatron" and remote.step == 2
+  want = expected(DP_RESHARDABLE.name)
+  for p in remote.params:  # the rebuilt buckets, read by byte ranges
+    assert np.array_equal(whole(p.slots["exp_avg"]), want[f"optimizer.state.exp_avg.{p.name}"])
+  ucp_jax.convert(url, tmp_path / "u")
+  assert ucp_jax.open(tmp_path / "u").step == 2
